@@ -1,0 +1,33 @@
+"""popart_kit: a typed, fail-fast toolkit for Graphcore PopART sessions.
+
+This module is the public surface; everything not in ``__all__`` is internal.
+"""
+
+from ._problems import PopartKitWarning
+from .config import (
+    Accumulation,
+    Device,
+    Pipeline,
+    Precision,
+    Profiling,
+    Replication,
+    SessionConfig,
+)
+from .plan import Plan, ReplicaPlacement
+from .popdist import PopdistEnv
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SessionConfig",
+    "Replication",
+    "Accumulation",
+    "Pipeline",
+    "Device",
+    "Precision",
+    "Profiling",
+    "Plan",
+    "ReplicaPlacement",
+    "PopdistEnv",
+    "PopartKitWarning",
+]

@@ -1,0 +1,368 @@
+"""SessionConfig: one typed, validated description of a PopART session.
+
+Every model is immutable and rejects unknown keys. Constructing an invalid configuration raises
+one ``ValueError`` (a pydantic ``ValidationError``) that lists every violated rule with its field,
+its numbers and its fix; nothing is compiled or acquired before that.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import NonNegativeInt, PositiveInt
+
+from . import _names
+from ._problems import Problem, emit_warnings, raise_errors
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = [
+    "SessionConfig",
+    "Replication",
+    "Accumulation",
+    "Pipeline",
+    "Device",
+    "Precision",
+    "Profiling",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+def _some(values: list[int], limit: int = 6) -> str:
+    if len(values) <= limit:
+        return ", ".join(map(str, values))
+    return ", ".join(map(str, values[: limit - 1])) + f", …, {values[-1]}"
+
+
+class Replication(_Section):
+    """Local replicas of this instance and, when distributed, all replicas over all instances."""
+
+    local_factor: PositiveInt = Field(
+        1, description="Replicas run by this instance (PopART replicatedGraphCount).")
+    global_factor: PositiveInt | None = Field(
+        None, description="Replicas over all instances, including this one's "
+                          "(PopART globalReplicationFactor); None: not distributed.")
+    global_offset: NonNegativeInt = Field(
+        0, description="Global id of this instance's first replica (PopART globalReplicaOffset).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_instance_is_not_distributed(cls, data: Any) -> Any:
+        # global_factor == local_factor describes a single instance: store it as "not distributed"
+        # so that a config and its PopART options map one to one.
+        if isinstance(data, Mapping):
+            local = data.get("local_factor", 1)
+            if data.get("global_factor") == local and not data.get("global_offset"):
+                data = {k: v for k, v in data.items() if k != "global_factor"}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Replication:
+        raise_errors("Replication", self._problems())
+        return self
+
+    def _problems(self) -> list[Problem]:
+        local, glob, offset = self.local_factor, self.global_factor, self.global_offset
+        involved = {"replication.local_factor": local, "replication.global_factor": glob,
+                    "replication.global_offset": offset}
+        out: list[Problem] = []
+
+        def add(loc: str, message: str, fix: str, rule: str) -> None:
+            out.append(Problem(loc, message, fix, rule, involved=involved))
+
+        if glob is None:
+            if offset:
+                add("global_offset",
+                    f"global_offset={offset} is set but global_factor is not: an offset only "
+                    f"exists when replicas are spread over several instances.",
+                    "set global_factor to the number of replicas over all instances, "
+                    "or remove global_offset.", "K-replication-offset-without-global")
+            return out
+        if glob < local:
+            add("global_factor",
+                f"global_factor={glob} is smaller than local_factor={local}; the global factor "
+                f"counts every replica of every instance, this instance's included.",
+                f"set global_factor to a multiple of {local} that is at least {local} "
+                f"(e.g. {2 * local}), or lower local_factor.", "K-replication-global-below-local")
+        elif glob % local:
+            lower, upper = glob // local * local, (glob // local + 1) * local
+            add("global_factor",
+                f"global_factor={glob} is not a multiple of local_factor={local}: every instance "
+                f"runs the same number of replicas, so the total must be instances × {local}.",
+                f"use global_factor={lower} or {upper}, or a local_factor that divides {glob}.",
+                "K-replication-global-multiple")
+        if offset % local:
+            valid = list(range(0, max(glob, local), local))
+            add("global_offset",
+                f"global_offset={offset} is not a multiple of local_factor={local}: instance i "
+                f"starts at replica i × {local}.",
+                f"use one of {_some(valid)}.", "K-replication-offset-multiple")
+        elif glob >= local and offset + local > glob:
+            last = (glob - local) // local * local
+            add("global_offset",
+                f"global_offset={offset} + local_factor={local} = {offset + local} exceeds "
+                f"global_factor={glob}: this instance would run replicas {offset}..{offset + local - 1}"
+                f" but only 0..{glob - 1} exist.",
+                f"use an offset from 0 to {last} in steps of {local}.", "K-replication-offset-range")
+        return out
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when replicas are spread over several instances (global_factor > local_factor)."""
+        return self.global_factor is not None
+
+    @property
+    def global_replicas(self) -> int:
+        return self.global_factor if self.global_factor is not None else self.local_factor
+
+    @property
+    def instances(self) -> int:
+        return self.global_replicas // self.local_factor
+
+    @property
+    def instance_index(self) -> int:
+        return self.global_offset // self.local_factor
+
+    @property
+    def replica_ids(self) -> range:
+        """Global ids of the replicas this instance runs."""
+        return range(self.global_offset, self.global_offset + self.local_factor)
+
+    @classmethod
+    def from_popdist_env(cls, env: Mapping[str, str] | None = None) -> Replication:
+        """The replication poprun gave this process (reads ``os.environ`` when ``env`` is None)."""
+        from .popdist import PopdistEnv
+
+        return PopdistEnv.read(env).replication()
+
+
+class Accumulation(_Section):
+    """Gradient accumulation: micro-batches per weight update and how gradients are reduced."""
+
+    factor: PositiveInt = Field(1, description="Micro-batches per weight update (accumulationFactor).")
+    reduction: _names.choice(_names.REDUCTION) = Field(
+        "sum", description="Reduction over accumulation steps and replicas "
+                           "(accumulationAndReplicationReductionType); PopART's default is sum.")
+    mean_strategy: _names.choice(_names.MEAN_STRATEGY) = Field(
+        "post", description="With mean reduction: divide once at the end (post) or keep a "
+                            "running mean (running).")
+
+
+class Pipeline(_Section):
+    """Pipelined execution over the IPUs of a replica."""
+
+    enabled: bool = Field(False, description="PopART enablePipelining.")
+    stages: PositiveInt | None = Field(
+        None, description="Forward pipeline stages; None: read them from the model's annotations.")
+    recomputation: _names.choice(_names.RECOMPUTATION) = Field(
+        "none", description="PopART autoRecomputation.")
+
+
+class Device(_Section):
+    """Which device is acquired and how (DeviceManager arguments)."""
+
+    target: _names.choice(_names.TARGET) = Field(
+        "ipu", description="ipu (hardware), ipu_model, cpu, or offline (compile only).")
+    sync_pattern: _names.choice(_names.SYNC_PATTERN) = "full"
+    connection: _names.choice(_names.CONNECTION) = "always"
+    selection: _names.choice(_names.SELECTION) = "first"
+    tiles_per_ipu: NonNegativeInt = Field(0, description="0: any (hardware default).")
+    round_to_power_of_two: bool = Field(
+        False, description="Request the next power of two IPUs when the model needs another count.")
+
+
+class Precision(_Section):
+    partials_type: _names.choice(_names.PARTIALS) | None = Field(
+        None, description="Matmul and convolution partials type; None: PopART's default.")
+    stochastic_rounding: bool = False
+
+
+class Profiling(_Section):
+    auto_report_dir: str | None = Field(
+        None, description="Write Poplar auto-reports here (engineOptions autoReport.*).")
+    cycle_counter: bool = Field(False, description="instrumentWithHardwareCycleCounter.")
+
+
+_FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+
+
+def _format_of(path: Path) -> str:
+    try:
+        return _FORMATS[path.suffix.lower()]
+    except KeyError:
+        raise ValueError(
+            f"{path}: unknown configuration format {path.suffix!r}; "
+            f"use one of {', '.join(sorted(_FORMATS))}.") from None
+
+
+class SessionConfig(BaseModel):
+    """A whole PopART session: mode, batching, topology, device and extra PopART options."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    mode: Literal["training", "inference"]
+    batches_per_step: PositiveInt = Field(
+        1, description="PopART DataFlow batchesPerStep; also accepted as device_iterations.")
+    micro_batch_size: PositiveInt | None = Field(
+        None, description="Samples per micro-batch, for batch arithmetic.")
+    ipus_per_replica: PositiveInt = 1
+    virtual_graph_mode: _names.choice(_names.VIRTUAL_GRAPH_MODE) = Field(
+        None, description="None (default): manual when ipus_per_replica > 1, else off.",
+        validate_default=True)
+    replication: Replication = Replication()
+    accumulation: Accumulation = Accumulation()
+    pipeline: Pipeline = Pipeline()
+    device: Device = Device()
+    precision: Precision = Precision()
+    profiling: Profiling = Profiling()
+    popart_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other popart.SessionOptions attribute, by its PopART name.")
+
+    _warnings: tuple[Problem, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_aliases_and_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if "device_iterations" in data:
+            if "batches_per_step" in data:
+                raise ValueError(
+                    f"device_iterations={data['device_iterations']!r} and batches_per_step="
+                    f"{data['batches_per_step']!r} are both given but name the same thing. "
+                    f"Fix: keep one of them.")
+            data["batches_per_step"] = data.pop("device_iterations")
+        if data.get("virtual_graph_mode") is None:
+            ipus = data.get("ipus_per_replica", 1)
+            if isinstance(ipus, int):
+                data["virtual_graph_mode"] = _default_vgm(ipus)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> SessionConfig:
+        from ._rules import check_config
+
+        problems = check_config(self)
+        raise_errors("SessionConfig", problems)
+        self._warnings = tuple(p for p in problems if p.severity == "warning")
+        emit_warnings(self._warnings, stacklevel=3)
+        return self
+
+    # -- derived ----------------------------------------------------------------------------
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What PopART would silently do that is rarely wanted, one line each."""
+        return tuple(str(p) for p in self._warnings)
+
+    @property
+    def is_training(self) -> bool:
+        return self.mode == "training"
+
+    def plan(self) -> Plan:
+        """The derived topology, batch, pipeline and sync-group numbers."""
+        from .plan import Plan
+
+        return Plan.from_config(self)
+
+    def with_popdist_env(self, env: Mapping[str, str] | None = None) -> SessionConfig:
+        """A copy whose replication and ipus_per_replica come from poprun's environment."""
+        from .popdist import PopdistEnv
+
+        return PopdistEnv.read(env).apply(self)
+
+    def updated(self, **changes: Any) -> SessionConfig:
+        """A validated copy with top-level fields replaced (sections as models or dicts)."""
+        data = self.model_dump(exclude_none=True)
+        if "ipus_per_replica" in changes and self.virtual_graph_mode == _default_vgm(
+                self.ipus_per_replica) and "virtual_graph_mode" not in changes:
+            data.pop("virtual_graph_mode")  # it was derived: derive it again
+        data.update({k: v.model_dump(exclude_none=True) if isinstance(v, BaseModel) else v
+                     for k, v in changes.items()})
+        return SessionConfig.model_validate(data)
+
+    # -- PopART mapping ---------------------------------------------------------------------
+
+    def to_popart_dict(self) -> dict[str, Any]:
+        """``{SessionOptions attribute: value}`` for every option the kit controls, plus
+        ``popart_options``; enum values are PopART member names, map options ``dict[str, str]``."""
+        from ._mapping import to_popart_dict
+
+        return to_popart_dict(self)
+
+    def device_request(self) -> dict[str, Any]:
+        """Keyword arguments for ``popart.DeviceManager().acquireAvailableDevice``."""
+        from ._mapping import device_request
+
+        return device_request(self)
+
+    def to_session_options(self, popart: Any = None) -> Any:
+        """A real ``popart.SessionOptions`` (imports the Poplar SDK's popart when not given)."""
+        from ._mapping import to_session_options
+
+        return to_session_options(self, popart)
+
+    @classmethod
+    def from_session_options(cls, opts: Any, **rest: Any) -> SessionConfig:
+        """The config whose ``to_popart_dict`` gives ``opts`` (a SessionOptions or a mapping).
+
+        ``rest`` supplies what SessionOptions does not hold (mode, batches_per_step,
+        ipus_per_replica, device, micro_batch_size, pipeline stages); section dicts merge."""
+        from ._mapping import from_session_options
+
+        return from_session_options(cls, opts, rest)
+
+    # -- files ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SessionConfig:
+        """Read a TOML, YAML or JSON file (chosen by suffix)."""
+        path = Path(path)
+        fmt = _format_of(path)
+        text = path.read_text(encoding="utf-8")
+        if fmt == "toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif fmt == "yaml":
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a table of settings at the top level, "
+                             f"found {type(data).__name__}.")
+        return cls.model_validate(data)
+
+    def to_file(self, path: str | Path) -> Path:
+        """Write TOML, YAML or JSON (chosen by suffix); unset optional fields are left out."""
+        path = Path(path)
+        fmt = _format_of(path)
+        data = self.model_dump(mode="json", exclude_none=True)
+        if fmt == "toml":
+            import tomli_w
+
+            text = tomli_w.dumps(data)
+        elif fmt == "yaml":
+            import yaml
+
+            text = yaml.safe_dump(data, sort_keys=False)
+        else:
+            text = json.dumps(data, indent=2) + "\n"
+        path.write_text(text, encoding="utf-8")
+        return path
+
+
+def _default_vgm(ipus_per_replica: int) -> str:
+    return "manual" if ipus_per_replica > 1 else "off"

@@ -1,0 +1,208 @@
+"""Plan: the numbers a SessionConfig implies, and the launch artefacts derived from them.
+
+Everything here is derived arithmetic over a validated config (no I/O): topology (instances,
+replicas, IPU ids), batch sizes, pipeline depth and bubble, sync groups, the poprun command line
+and the Kubernetes IPUJob resource.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._arith import bubble_fraction, next_power_of_two, pipeline_depth, pipeline_fill_micro_batches
+
+if TYPE_CHECKING:
+    from .config import SessionConfig
+
+__all__ = ["Plan", "ReplicaPlacement", "sync_groups"]
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """One replica: its instance, global and local ids, and the device IPUs it runs on."""
+
+    instance: int
+    global_id: int
+    local_id: int
+    ipus: tuple[int, ...]
+
+
+def sync_groups(pattern: str, num_ipus: int) -> dict[str, list[list[int]]]:
+    """How the two sync groups partition a device's IPUs (PopART docs, "Sync patterns").
+
+    full: every IPU is in both groups. single_pipeline: GS2 holds all IPUs, GS1 one group per
+    IPU. replica_and_ladder: GS2 holds all IPUs, GS1 the two ladder rails (even and odd IPUs,
+    A+C and B+D in the figure), which alternate host I/O and compute.
+    """
+    everyone = [list(range(num_ipus))]
+    if pattern == "full":
+        return {"GS1": everyone, "GS2": everyone}
+    if pattern == "single_pipeline":
+        return {"GS1": [[i] for i in range(num_ipus)], "GS2": everyone}
+    if pattern == "replica_and_ladder":
+        rails = [list(range(0, num_ipus, 2)), list(range(1, num_ipus, 2))]
+        return {"GS1": [r for r in rails if r], "GS2": everyone}
+    raise ValueError(f"unknown sync pattern {pattern!r}; use full, single_pipeline or "
+                     f"replica_and_ladder")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Derived numbers of one instance of a session (see DESIGN.md, "Configuration")."""
+
+    mode: str
+    target: str
+    # topology
+    ipus_per_replica: int
+    local_replicas: int
+    global_replicas: int
+    instances: int
+    instance_index: int
+    num_ipus: int
+    ipus_to_request: int
+    global_num_ipus: int
+    # batches
+    batches_per_step: int
+    accumulation_factor: int
+    micro_batch_size: int | None
+    micro_batches_per_step: int
+    samples_per_step: int | None
+    global_samples_per_step: int | None
+    global_batch_size: int | None
+    weight_updates_per_step: int
+    # pipeline
+    pipelined: bool
+    pipeline_stages: int | None
+    pipeline_depth: int | None
+    bubble_fraction: float | None
+    # placement
+    replicas: tuple[ReplicaPlacement, ...]
+    sync_pattern: str
+    sync_groups: dict[str, list[list[int]]]
+    warnings: tuple[str, ...] = ()
+    config: SessionConfig | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, cfg: SessionConfig) -> Plan:
+        rep, acc, bps = cfg.replication, cfg.accumulation.factor, cfg.batches_per_step
+        training, ipus = cfg.is_training, cfg.ipus_per_replica
+        num_ipus = rep.local_factor * ipus
+        rounded = cfg.device.target == "ipu" and cfg.device.round_to_power_of_two
+        request = next_power_of_two(num_ipus) if rounded else num_ipus
+        stride = request // rep.local_factor  # device IPUs per replica, idle ones included
+        micro_batches = bps * acc * rep.local_factor
+        mbs = cfg.micro_batch_size
+        stages = (cfg.pipeline.stages if cfg.pipeline.enabled else 1)
+        depth = pipeline_depth(stages, training) if stages is not None else None
+        fill = pipeline_fill_micro_batches(training, bps, acc)
+        return cls(
+            mode=cfg.mode,
+            target=cfg.device.target,
+            ipus_per_replica=ipus,
+            local_replicas=rep.local_factor,
+            global_replicas=rep.global_replicas,
+            instances=rep.instances,
+            instance_index=rep.instance_index,
+            num_ipus=num_ipus,
+            ipus_to_request=request,
+            global_num_ipus=rep.global_replicas * ipus,
+            batches_per_step=bps,
+            accumulation_factor=acc,
+            micro_batch_size=mbs,
+            micro_batches_per_step=micro_batches,
+            samples_per_step=None if mbs is None else micro_batches * mbs,
+            global_samples_per_step=None if mbs is None else micro_batches * mbs * rep.instances,
+            global_batch_size=None if mbs is None else mbs * acc * rep.global_replicas,
+            weight_updates_per_step=bps if training else 0,
+            pipelined=cfg.pipeline.enabled,
+            pipeline_stages=stages,
+            pipeline_depth=depth,
+            bubble_fraction=None if depth is None or not cfg.pipeline.enabled
+            else bubble_fraction(depth, fill),
+            replicas=tuple(
+                ReplicaPlacement(g // rep.local_factor, g, g % rep.local_factor,
+                                 tuple(range(g % rep.local_factor * stride,
+                                             g % rep.local_factor * stride + ipus)))
+                for g in range(rep.global_replicas)),
+            sync_pattern=cfg.device.sync_pattern,
+            sync_groups=sync_groups(cfg.device.sync_pattern, request),
+            warnings=cfg.warnings,
+            config=cfg,
+        )
+
+    @property
+    def idle_ipus(self) -> int:
+        """IPUs requested only to reach a power of two."""
+        return self.ipus_to_request - self.num_ipus
+
+    @property
+    def local_replica_placements(self) -> tuple[ReplicaPlacement, ...]:
+        return tuple(r for r in self.replicas if r.instance == self.instance_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+        out["replicas"] = [dataclasses.asdict(r) | {"ipus": list(r.ipus)} for r in self.replicas]
+        out["warnings"] = list(self.warnings)
+        out["idle_ipus"] = self.idle_ipus
+        return out
+
+    # -- launch artefacts -------------------------------------------------------------------
+
+    def poprun_command(self, program: str | Sequence[str], *, vipu_partition: str | None = None,
+                       hosts: Sequence[str] = (), allow_run_as_root: bool = False) -> list[str]:
+        """The poprun invocation that starts every instance of this session."""
+        args = ["poprun"] + (["--allow-run-as-root", "1"] if allow_run_as_root else [])
+        args += ["--num-instances", str(self.instances),
+                "--num-replicas", str(self.global_replicas),
+                "--ipus-per-replica", str(self.ipus_per_replica)]
+        if vipu_partition:
+            args += ["--vipu-partition", vipu_partition]
+        if hosts:
+            args += ["--host", ",".join(hosts)]
+        args += ["--print-topology", "yes"]
+        return args + (shlex.split(program) if isinstance(program, str) else list(program))
+
+    def ipujob_manifest(self, image: str, command: str | Sequence[str], name: str, *,
+                        cpu: int = 32, memory: str = "128Gi",
+                        shm_size: str = "10Gi") -> dict[str, Any]:
+        """A Graphcore IPUJob resource for Kubernetes that runs ``command`` on this topology.
+
+        With several instances the command runs under poprun inside the one worker, as in
+        Graphcore's POD64 example; the job asks for the IPUs of all instances.
+        """
+        program = command if isinstance(command, str) else shlex.join(command)
+        if self.instances > 1:
+            poprun = shlex.join(self.poprun_command([], allow_run_as_root=True))
+            program = f"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1 {poprun} {program}"
+        spec: dict[str, Any] = {"jobInstances": 1}
+        if self.global_replicas > 1:
+            spec["modelReplicasPerWorker"] = str(self.global_replicas)
+        spec["ipusPerJobInstance"] = str(self.ipus_to_request * self.instances)
+        spec["workers"] = {"template": {"spec": {
+            "containers": [{
+                "name": name,
+                "image": image,
+                "command": ["/bin/bash", "-c", "--"],
+                "args": [program],
+                "resources": {"limits": {"cpu": cpu, "memory": memory},
+                              "requests": {"memory": memory}},
+                "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                "volumeMounts": [{"mountPath": "/dev/shm", "name": "devshm"}],
+            }],
+            "restartPolicy": "Never",
+            "hostIPC": True,
+            "volumes": [{"name": "devshm",
+                         "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}],
+        }}}
+        return {"apiVersion": "graphcore.ai/v1alpha1", "kind": "IPUJob",
+                "metadata": {"generateName": f"{name}-"}, "spec": spec}
+
+    def render(self, width: int = 100) -> str:
+        """Readable tables of the plan (what ``popart-kit plan`` prints)."""
+        from ._render import render_plan
+
+        return render_plan(self, width)
