@@ -193,7 +193,7 @@ def _pipeline_warnings(cfg: SessionConfig) -> Iterator[Problem]:
 @_rule
 def _mean_strategy_needs_mean(cfg: SessionConfig) -> Iterator[Problem]:
     acc = cfg.accumulation
-    if acc.reduction == "sum" and "mean_strategy" in acc.model_fields_set:
+    if acc.reduction == "sum" and acc.mean_strategy != "post":
         yield _warning(
             "accumulation.mean_strategy",
             f"mean_strategy={acc.mean_strategy!r} only applies to reduction='mean', "

@@ -1,0 +1,455 @@
+"""A strict recorder of PopART's Python API, built only from ``popart_api.json``.
+
+This is not a permissive fake: every attribute, enum member, struct field and keyword argument
+must exist in the manifest (written from PopART's own sources), and every value assigned must have
+the manifest's type, with pybind11's conversion rules:
+
+* ``bool`` accepts only ``bool``; ``int`` accepts ``int`` but not ``bool``; ``float`` accepts
+  ``int`` or ``float`` (and reads back a ``float``); ``str`` accepts ``str``.
+* ``enum:X`` accepts only members of ``X`` (not their names, not members of another enum).
+* ``struct:X`` accepts only instances of the struct class ``X``.
+* ``map[str,str]`` / ``dict[str,int]`` / ``dict[str,struct:X]`` need a ``dict`` with those key and
+  value types; ``list[...]`` needs a ``list``; ``set[...]`` needs a ``set``.
+* ``other:...`` types are not checked.
+
+Like pybind11, containers (maps, lists, sets) are copied on assignment and on reading, so an
+in-place edit of ``opts.bufferingDepthMap`` is lost; nested structs are handed back by reference
+(``def_readwrite``), so ``opts.executionPhaseSettings.phases = 2`` persists. Where PopART's
+``__init__.py`` re-exposes an underscore binding as a Python property (``engineOptions`` over
+``_engineOptions``, ...), the property returns a ``dict`` subclass that writes itself back on
+``__setitem__``, as PopART's ``DictWrapper`` does.
+
+Every ``setattr`` on a ``SessionOptions`` (and on every struct) is recorded, in order, in
+:func:`set_log`.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MANIFEST", "BROKEN_OPTIONS", "make_popart_module", "set_log", "to_plain",
+           "check_value", "EnumMember", "DeviceCall"]
+
+MANIFEST: dict[str, Any] = json.loads(
+    (Path(__file__).with_name("popart_api.json")).read_text(encoding="utf-8"))
+
+# Listed in the manifest but broken in PopART itself (access raises AttributeError).
+BROKEN_OPTIONS = frozenset({"updatableBuffers"})
+
+
+# -- enums ------------------------------------------------------------------------------------
+
+
+class EnumMember:
+    """One member of a PopART (pybind11) enum: compares and hashes by identity."""
+
+    __slots__ = ("_enum", "_name", "_value")
+
+    def __init__(self, enum: str, name: str, value: int) -> None:
+        object.__setattr__(self, "_enum", enum)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_value", value)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"{self!r} is read-only")
+
+    def __repr__(self) -> str:
+        return f"<{self._enum}.{self._name}: {self._value}>"
+
+    def __str__(self) -> str:
+        return f"{self._enum}.{self._name}"
+
+    def __reduce__(self):  # pragma: no cover - deep copies keep identity
+        raise TypeError("enum members are singletons")
+
+    def __copy__(self) -> EnumMember:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> EnumMember:
+        return self
+
+
+class _EnumMeta(type):
+    def __setattr__(cls, key: str, value: Any) -> None:
+        raise AttributeError(f"cannot set {key!r} on enum {cls.__name__}")
+
+    def __iter__(cls):
+        return iter(cls.__members__.values())
+
+    def __len__(cls) -> int:
+        return len(cls.__members__)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], int) \
+                and not isinstance(args[0], bool):
+            for member in cls.__members__.values():
+                if member.value == args[0]:
+                    return member
+            raise ValueError(f"{args[0]} is not a value of {cls.__name__}")
+        raise TypeError(f"{cls.__name__}() takes one int value")
+
+
+def _make_enum(name: str, members: list[str]) -> type:
+    values = {m: EnumMember(name, m, i) for i, m in enumerate(members)}
+    namespace = dict(values)
+    namespace["__members__"] = types.MappingProxyType(dict(values))
+    namespace["__module__"] = "popart"
+    return _EnumMeta(name, (), namespace)
+
+
+# -- values -----------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _inner(type_: str) -> str:
+    return type_[type_.index("[") + 1:-1]
+
+
+def _dict_value_type(type_: str) -> str:
+    # "dict[str,int]" -> "int", "dict[str,struct:X]" -> "struct:X", "map[str,str]" -> "str"
+    return _inner(type_).split(",", 1)[1]
+
+
+def check_value(popart: Any, type_: str, value: Any, where: str) -> Any:
+    """The value PopART would store for ``value`` of manifest type ``type_``, or TypeError."""
+
+    def bad(expected: str) -> TypeError:
+        return TypeError(f"{where}: incompatible type {type(value).__name__} ({value!r}); "
+                         f"PopART expects {expected} ({type_})")
+
+    if type_.startswith("other:"):
+        return value
+    if type_ == "bool":
+        if not isinstance(value, bool):
+            raise bad("a bool")
+        return value
+    if type_ == "int":
+        if not _is_int(value):
+            raise bad("an int")
+        return value
+    if type_ == "float":
+        if not (_is_int(value) or isinstance(value, float)):
+            raise bad("a float")
+        return float(value)
+    if type_ == "str":
+        if not isinstance(value, str):
+            raise bad("a str")
+        return value
+    if type_.startswith("enum:"):
+        enum = getattr(popart, type_[5:])
+        if not isinstance(value, EnumMember) or enum.__members__.get(value.name) is not value:
+            raise bad(f"a member of popart.{type_[5:]}")
+        return value
+    if type_.startswith("struct:"):
+        cls = getattr(popart, type_[7:])
+        if not isinstance(value, cls):
+            raise bad(f"a popart.{type_[7:]}")
+        return value._copy()  # pybind copies the struct into the C++ member
+    if type_.startswith(("map[", "dict[")):
+        if not isinstance(value, dict):
+            raise bad("a dict")
+        value_type = _dict_value_type(type_)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise bad("str keys")
+            out[k] = check_value(popart, value_type, v, f"{where}[{k!r}]")
+        return out
+    if type_.startswith("list["):
+        if not isinstance(value, list):
+            raise bad("a list")
+        return [check_value(popart, _inner(type_), v, f"{where}[{i}]")
+                for i, v in enumerate(value)]
+    if type_.startswith("set["):
+        if not isinstance(value, (set, frozenset)):
+            raise bad("a set")
+        return {check_value(popart, _inner(type_), v, f"{where} item") for v in value}
+    raise AssertionError(f"unknown manifest type {type_!r}")  # pragma: no cover
+
+
+def _copy_out(value: Any) -> Any:
+    """What reading a member gives: containers are copies (pybind11 STL casters)."""
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, set):
+        return set(value)
+    return value
+
+
+def _from_default(popart: Any, type_: str, default: Any) -> Any:
+    """A manifest default (plain JSON) as the PopART object it stands for."""
+    if type_.startswith("other:"):
+        return json.loads(json.dumps(default))
+    if type_.startswith("enum:"):
+        return getattr(getattr(popart, type_[5:]), default)
+    if type_.startswith("struct:"):
+        obj = getattr(popart, type_[7:])()
+        fields = MANIFEST["structs"][type_[7:]]["fields"]
+        for key, v in default.items():
+            obj._values[key] = _from_default(popart, fields[key], v)
+        return obj
+    if type_.startswith("set["):
+        return {_from_default(popart, _inner(type_), v) for v in default}
+    if type_.startswith("list["):
+        return [_from_default(popart, _inner(type_), v) for v in default]
+    if type_.startswith(("map[", "dict[")):
+        vt = _dict_value_type(type_)
+        return {k: _from_default(popart, vt, v) for k, v in default.items()}
+    return default
+
+
+def to_plain(type_: str, value: Any) -> Any:
+    """A PopART object as plain data: member names, sorted lists for sets, dicts for structs."""
+    if type_.startswith("other:"):
+        return value
+    if type_.startswith("enum:"):
+        assert isinstance(value, EnumMember), value
+        return value.name
+    if type_.startswith("struct:"):
+        fields = MANIFEST["structs"][type_[7:]]["fields"]
+        return {k: to_plain(t, getattr(value, k)) for k, t in fields.items()}
+    if type_.startswith("set["):
+        return sorted(to_plain(_inner(type_), v) for v in value)
+    if type_.startswith("list["):
+        return [to_plain(_inner(type_), v) for v in value]
+    if type_.startswith(("map[", "dict[")):
+        vt = _dict_value_type(type_)
+        return {k: to_plain(vt, v) for k, v in value.items()}
+    return value
+
+
+class _DictWrapper(dict):
+    """PopART's ``DictWrapper``: a dict copy that writes itself back when an item is set."""
+
+    def __init__(self, update: Any, *args: Any) -> None:
+        self._update = update
+        super().__init__(*args)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        dict.__setitem__(self, name, value)
+        self._update(dict(self))
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+class _Recorded:
+    """Base of SessionOptions and structs: a fixed attribute set with typed, logged setattr."""
+
+    __slots__ = ("_values", "_log", "_popart")
+    _TYPES: dict[str, str] = {}
+    _PROPERTIES: dict[str, str] = {}  # Python property name -> underlying binding
+    _KIND = "object"
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when normal lookup fails: slots, methods and properties come first
+        if name in type(self)._PROPERTIES:
+            target = type(self)._PROPERTIES[name]
+            return _DictWrapper(lambda v: setattr(self, name, v), getattr(self, target))
+        try:
+            values = object.__getattribute__(self, "_values")
+        except AttributeError:  # pragma: no cover - during construction
+            raise AttributeError(name) from None
+        if name not in values:
+            raise AttributeError(
+                f"'{type(self).__name__}' {self._KIND} has no attribute {name!r}")
+        return _copy_out(values[name])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls = type(self)
+        target = cls._PROPERTIES.get(name, name)
+        if target not in cls._TYPES or name in BROKEN_OPTIONS:
+            raise AttributeError(
+                f"'{cls.__name__}' {self._KIND} has no attribute {name!r}")
+        stored = check_value(self._popart, cls._TYPES[target], value,
+                             f"{cls.__name__}.{name}")
+        self._values[target] = stored
+        self._log.append((name, stored))
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name!r}")
+
+    def _copy(self) -> Any:
+        new = object.__new__(type(self))
+        object.__setattr__(new, "_popart", self._popart)
+        object.__setattr__(new, "_log", [])
+        object.__setattr__(new, "_values", {
+            k: (v._copy() if isinstance(v, _Recorded) else _copy_out(v))
+            for k, v in self._values.items()})
+        return new
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(self._TYPES) | set(self._PROPERTIES) | set(dir(type(self))))
+
+    def __repr__(self) -> str:
+        return f"<strict popart.{type(self).__name__}>"
+
+
+def _properties(names: dict[str, str]) -> dict[str, str]:
+    """``name`` -> ``_name`` where both are listed: PopART's Python properties over bindings."""
+    return {n: "_" + n for n in names if not n.startswith("_") and "_" + n in names}
+
+
+def _make_struct(popart: Any, name: str, spec: dict[str, Any]) -> type:
+    fields: dict[str, str] = spec["fields"]
+    props = _properties(fields)
+    ctors = [c for c in spec.get("ctor", [[]]) if all(a in fields for a in c)]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_popart", popart)
+        object.__setattr__(self, "_log", [])
+        object.__setattr__(self, "_values", {})
+        for key, type_ in fields.items():
+            if key not in props:
+                self._values[key] = _from_default(popart, type_, spec["defaults"][key])
+        if args or kwargs:
+            names = next((c for c in ctors if len(c) == len(args) + len(kwargs)
+                          and set(kwargs) <= set(c[len(args):])), None)
+            if names is None:
+                raise TypeError(f"{name}(): no constructor takes {len(args)} positional and "
+                                f"keywords {sorted(kwargs)}; constructors: {spec.get('ctor')}")
+            for key, v in list(zip(names, args)) + list(kwargs.items()):
+                setattr(self, key, v)
+            self._log.clear()
+
+    cls = type(name, (_Recorded,), {
+        "__slots__": (), "__init__": __init__, "__module__": "popart",
+        "_TYPES": {k: v for k, v in fields.items() if k not in props},
+        "_PROPERTIES": props, "_KIND": "object"})
+    return cls
+
+
+def _make_session_options(popart: Any) -> type:
+    options = {k: v for k, v in MANIFEST["session_options"].items() if k not in BROKEN_OPTIONS}
+    props = _properties(options)
+    types_ = {k: v["type"] for k, v in options.items() if k not in props}
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_popart", popart)
+        object.__setattr__(self, "_log", [])
+        object.__setattr__(self, "_values", {
+            k: _from_default(popart, t, options[k]["default"]) for k, t in types_.items()})
+
+    def enableExplicitIR(self, enable: bool) -> None:  # noqa: N802 - PopART's name
+        if not isinstance(enable, bool):
+            raise TypeError("enableExplicitIR(): expects a bool")
+        for key in ("useHostCopyOps", "enableExplicitMainLoops", "explicitRecomputation"):
+            setattr(self, key, enable)
+
+    def getGlobalReplicationFactor(self) -> int:  # noqa: N802 - PopART's name
+        v = self._values
+        return v["globalReplicationFactor"] if v["enableDistributedReplicatedGraphs"] \
+            else v["replicatedGraphCount"]
+
+    methods = {"enableExplicitIR": enableExplicitIR,
+               "getGlobalReplicationFactor": getGlobalReplicationFactor}
+    assert set(MANIFEST["session_options_methods"]) <= set(methods)
+    return type("SessionOptions", (_Recorded,), {
+        "__slots__": (), "__init__": __init__, "__module__": "popart", **methods,
+        "_TYPES": types_, "_PROPERTIES": props, "_KIND": "object"})
+
+
+def set_log(obj: Any) -> list[tuple[str, Any]]:
+    """Every ``setattr`` made on a recorded SessionOptions or struct: ``(name, stored value)``."""
+    return list(object.__getattribute__(obj, "_log"))
+
+
+# -- DeviceManager ----------------------------------------------------------------------------
+
+
+class DeviceCall:
+    """What a DeviceManager method was called with (the device it would return)."""
+
+    def __init__(self, method: str, kwargs: dict[str, Any]) -> None:
+        self.method = method
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"<DeviceCall {self.method}({self.kwargs})>"
+
+
+_PARAM_TYPES = {"numIpus": "int", "tilesPerIpu": "int", "tilesPerIPU": "int", "id": "int",
+                "attachTimeout": "int", "opts": "map[str,str]", "arg0": "map[str,str]"}
+
+
+def _param_type(method: dict[str, Any], param: str) -> str:
+    default = method["defaults"].get(param)
+    if isinstance(default, str) and "." in default:
+        return "enum:" + default.split(".", 1)[0]
+    return _PARAM_TYPES[param]
+
+
+def _make_device_manager(popart: Any) -> type:
+    def make(method_name: str, spec: dict[str, Any]) -> Any:
+        params: list[str] = spec["params"]
+        positional_only = spec.get("positional_only", False)
+
+        def method(self, *args: Any, **kwargs: Any) -> DeviceCall:
+            if positional_only and kwargs:
+                raise TypeError(f"{method_name}(): takes positional arguments only "
+                                f"(got keywords {sorted(kwargs)})")
+            if len(args) > len(params):
+                raise TypeError(f"{method_name}(): takes at most {len(params)} arguments")
+            given = dict(zip(params, args))
+            for key, value in kwargs.items():
+                if key not in params:
+                    raise TypeError(f"{method_name}(): unexpected keyword argument {key!r}; "
+                                    f"PopART's parameters are {params}")
+                if key in given:
+                    raise TypeError(f"{method_name}(): got multiple values for {key!r}")
+                given[key] = value
+            missing = [p for p in params if p not in given and p not in spec["defaults"]]
+            if missing:
+                raise TypeError(f"{method_name}(): missing arguments {missing}")
+            checked = {k: check_value(popart, _param_type(spec, k), v, f"{method_name}({k}=)")
+                       for k, v in given.items()}
+            call = DeviceCall(method_name, checked)
+            self.calls.append(call)
+            return call
+
+        method.__name__ = method_name
+        return method
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    namespace = {"__init__": __init__, "__module__": "popart"}
+    namespace.update({name: make(name, spec) for name, spec in MANIFEST["device_manager"].items()})
+    return type("DeviceManager", (), namespace)
+
+
+# -- the module -------------------------------------------------------------------------------
+
+
+def make_popart_module() -> types.ModuleType:
+    """A fresh module-like ``popart`` with the manifest's enums, structs, SessionOptions and
+    DeviceManager (each call builds new classes, so logs never leak between tests)."""
+    popart = types.ModuleType("popart", "strict recorder of PopART's Python API "
+                                        "(tests/contract/popart_api.json)")
+    popart.__file__ = __file__
+    for name, members in MANIFEST["enums"].items():
+        setattr(popart, name, _make_enum(name, members))
+    for name, spec in MANIFEST["structs"].items():
+        setattr(popart, name, _make_struct(popart, name, spec))
+    popart.SessionOptions = _make_session_options(popart)
+    popart.DeviceManager = _make_device_manager(popart)
+    return popart
