@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic import NonNegativeInt, PositiveInt
 
 from . import _names
+from . import _popart_catalog as catalog
 from ._problems import Problem, emit_warnings, raise_errors
 
 if TYPE_CHECKING:
@@ -191,6 +192,7 @@ class Profiling(_Section):
     cycle_counter: bool = Field(False, description="instrumentWithHardwareCycleCounter.")
 
 
+_MERGED_MAPS = ("engineOptions", "convolutionOptions")
 _FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 
 
@@ -242,6 +244,11 @@ class SessionConfig(BaseModel):
                     f"{data['batches_per_step']!r} are both given but name the same thing. "
                     f"Fix: keep one of them.")
             data["batches_per_step"] = data.pop("device_iterations")
+        options = data.get("popart_options")
+        if isinstance(options, Mapping):
+            # The kit merges into these maps; an empty one is the same as none.
+            data["popart_options"] = {k: _canonical_option(k, v) for k, v in options.items()
+                                      if not (k in _MERGED_MAPS and v == {})}
         if data.get("virtual_graph_mode") is None:
             ipus = data.get("ipus_per_replica", 1)
             if isinstance(ipus, int):
@@ -362,6 +369,14 @@ class SessionConfig(BaseModel):
             text = json.dumps(data, indent=2) + "\n"
         path.write_text(text, encoding="utf-8")
         return path
+
+
+def _canonical_option(name: str, value: Any) -> Any:
+    """Sets are order-free: hold them sorted and without repeats, as PopART reads them back."""
+    if catalog.OPTIONS.get(name, "").startswith("set[") and isinstance(value, list) and all(
+            isinstance(v, str) for v in value):
+        return sorted(set(value))
+    return value
 
 
 def _default_vgm(ipus_per_replica: int) -> str:
