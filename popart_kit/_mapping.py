@@ -173,7 +173,7 @@ def from_session_options(cls: type[SessionConfig], opts: Any,
     for name in names:
         if name in CONTROLLED_OPTIONS:
             continue
-        value = {"engineOptions": engine, "convolutionOptions": conv}.get(name, None)
+        value = {"engineOptions": engine, "convolutionOptions": conv}.get(name)
         if value is None:
             extra[name] = get(name)
         elif value:

@@ -54,7 +54,7 @@ class Problem:
 
 
 def raise_errors(title: str, problems: Iterable[Problem]) -> None:
-    """Raise one ValidationError listing every error in ``problems``; do nothing if there is none."""
+    """Raise one ValidationError listing every error in ``problems`` (none: do nothing)."""
     details = [
         InitErrorDetails(
             type=PydanticCustomError("popart_kit." + p.rule, "{text}", {"text": p.text()}),

@@ -110,9 +110,10 @@ class Replication(_Section):
             last = (glob - local) // local * local
             add("global_offset",
                 f"global_offset={offset} + local_factor={local} = {offset + local} exceeds "
-                f"global_factor={glob}: this instance would run replicas {offset}..{offset + local - 1}"
-                f" but only 0..{glob - 1} exist.",
-                f"use an offset from 0 to {last} in steps of {local}.", "K-replication-offset-range")
+                f"global_factor={glob}: this instance would run replicas "
+                f"{offset}..{offset + local - 1} but only 0..{glob - 1} exist.",
+                f"use an offset from 0 to {last} in steps of {local}.",
+                "K-replication-offset-range")
         return out
 
     @property
@@ -148,7 +149,8 @@ class Replication(_Section):
 class Accumulation(_Section):
     """Gradient accumulation: micro-batches per weight update and how gradients are reduced."""
 
-    factor: PositiveInt = Field(1, description="Micro-batches per weight update (accumulationFactor).")
+    factor: PositiveInt = Field(
+        1, description="Micro-batches per weight update (accumulationFactor).")
     reduction: _names.choice(_names.REDUCTION) = Field(
         "sum", description="Reduction over accumulation steps and replicas "
                            "(accumulationAndReplicationReductionType); PopART's default is sum.")

@@ -144,7 +144,8 @@ class Plan:
         return tuple(r for r in self.replicas if r.instance == self.instance_index)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+        out = {f.name: getattr(self, f.name)
+               for f in dataclasses.fields(self) if f.name != "config"}
         out["replicas"] = [dataclasses.asdict(r) | {"ipus": list(r.ipus)} for r in self.replicas]
         out["warnings"] = list(self.warnings)
         out["idle_ipus"] = self.idle_ipus
@@ -177,7 +178,8 @@ class Plan:
         program = command if isinstance(command, str) else shlex.join(command)
         if self.instances > 1:
             poprun = shlex.join(self.poprun_command([], allow_run_as_root=True))
-            program = f"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1 {poprun} {program}"
+            root = "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1"
+            program = f"{root} {poprun} {program}"
         spec: dict[str, Any] = {"jobInstances": 1}
         if self.global_replicas > 1:
             spec["modelReplicasPerWorker"] = str(self.global_replicas)

@@ -10,8 +10,9 @@ SAFE_OPTIONS: dict[str, Any] = {
     "enableOutlining": st.booleans(),
     "outlineThreshold": st.floats(0.5, 100.0, allow_nan=False),
     "syntheticDataMode": st.sampled_from(["Off", "Zeros", "RandomNormal", "RandomUniform"]),
-    "engineOptions": st.dictionaries(st.sampled_from(["debug.instrument", "target.hostSyncTimeout"]),
-                                     st.sampled_from(["true", "600"]), max_size=2),
+    "engineOptions": st.dictionaries(
+        st.sampled_from(["debug.instrument", "target.hostSyncTimeout"]),
+        st.sampled_from(["true", "600"]), max_size=2),
     "reportOptions": st.just({"showExecutionSteps": "true"}),
     "hardwareInstrumentations": st.sampled_from([["Outer"], ["Inner", "Outer"]]),
     "dotChecks": st.lists(st.sampled_from(["Fwd0", "Final"]), unique=True, max_size=2),
