@@ -370,8 +370,9 @@ def _rep(d: dict[str, Any]) -> dict[str, Any]:
     return d["replication"]
 
 
-def _bps(d: dict[str, Any]) -> int:
-    return d.get("batches_per_step", d.get("device_iterations"))
+def _pipelined_stages(d: dict[str, Any]) -> int | None:
+    pipe = d.get("pipeline", {})
+    return pipe.get("stages") if pipe.get("enabled") else None
 
 
 MUTATIONS: dict[str, tuple[Mutation, str]] = {
@@ -398,12 +399,12 @@ MUTATIONS: dict[str, tuple[Mutation, str]] = {
         "accumulation.factor"),
     "accumulation below depth": (
         lambda d: _set(d, "accumulation.factor", 2 * d["pipeline"]["stages"] - 2)
-        if d.get("pipeline", {}).get("stages") and d["mode"] == "training"
+        if _pipelined_stages(d) and d["mode"] == "training"
         and d["accumulation"]["factor"] > 1 else None, "accumulation.factor"),
     "batches below depth": (
         lambda d: _set({k: v for k, v in d.items() if k != "device_iterations"},
                        "batches_per_step", d["pipeline"]["stages"] - 1)
-        if d.get("pipeline", {}).get("stages") and d["mode"] == "inference" else None,
+        if _pipelined_stages(d) and d["mode"] == "inference" else None,
         "batches_per_step"),
     "pipeline on one IPU": (
         lambda d: {**_set(d, "pipeline.enabled", True), "ipus_per_replica": 1,

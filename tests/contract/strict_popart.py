@@ -327,7 +327,7 @@ def _make_struct(popart: Any, name: str, spec: dict[str, Any]) -> type:
             if names is None:
                 raise TypeError(f"{name}(): no constructor takes {len(args)} positional and "
                                 f"keywords {sorted(kwargs)}; constructors: {spec.get('ctor')}")
-            for key, v in list(zip(names, args)) + list(kwargs.items()):
+            for key, v in list(zip(names, args, strict=False)) + list(kwargs.items()):
                 setattr(self, key, v)
             self._log.clear()
 
@@ -409,7 +409,7 @@ def _make_device_manager(popart: Any) -> type:
                                 f"(got keywords {sorted(kwargs)})")
             if len(args) > len(params):
                 raise TypeError(f"{method_name}(): takes at most {len(params)} arguments")
-            given = dict(zip(params, args))
+            given = dict(zip(params, args, strict=False))
             for key, value in kwargs.items():
                 if key not in params:
                     raise TypeError(f"{method_name}(): unexpected keyword argument {key!r}; "
