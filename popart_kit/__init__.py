@@ -15,6 +15,8 @@ from .config import (
 )
 from .plan import Plan, ReplicaPlacement
 from .popdist import PopdistEnv
+from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
+from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
 __version__ = "0.1.0"
 
@@ -29,5 +31,14 @@ __all__ = [
     "Plan",
     "ReplicaPlacement",
     "PopdistEnv",
+    "AnchorReturnType",
+    "input_shape",
+    "anchor_shape",
+    "input_elements",
+    "anchor_elements",
+    "TensorSpec",
+    "StepIOFactory",
+    "RunBatches",
+    "CallbackFeeder",
     "PopartKitWarning",
 ]

@@ -8,7 +8,7 @@ its numbers and its fix; nothing is compiled or acquired before that.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -330,6 +330,22 @@ class SessionConfig(BaseModel):
         from ._mapping import from_session_options
 
         return from_session_options(cls, opts, rest)
+
+    # -- host array shapes ------------------------------------------------------------------
+
+    def input_shape(self, shape: Sequence[int], broadcast: bool = False) -> tuple[int, ...]:
+        """This instance's host array for an input of tensor shape ``shape``, per run."""
+        from .shapes import input_shape
+
+        return input_shape(shape, self.batches_per_step, self.accumulation.factor,
+                           self.replication.local_factor, broadcast)
+
+    def anchor_shape(self, shape: Sequence[int], art: Any = "All") -> tuple[int, ...]:
+        """This instance's host array for an anchor of tensor shape ``shape``, per run."""
+        from .shapes import anchor_shape
+
+        return anchor_shape(shape, art, self.batches_per_step, self.accumulation.factor,
+                            self.replication.local_factor)
 
     # -- files ------------------------------------------------------------------------------
 

@@ -1,0 +1,180 @@
+"""PopART's host-array layout: pure shape arithmetic (no numpy, no JAX, no I/O).
+
+Inputs are ``[bps, A, R, *S]`` and anchors ``All [bps, A, R]``, ``EveryN(N) [bps/N, A, R]``,
+``Final [R]``, ``Sum [R]`` followed by ``S``, with every leading factor that equals 1 left out and
+tensor dimensions always kept (shared/reference/popart-stepio-builder.md §1-2). Broadcast inputs
+drop ``R``; global replication never changes these per-instance shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AnchorReturnType",
+    "input_shape",
+    "anchor_shape",
+    "input_elements",
+    "anchor_elements",
+    "leading_factors",
+]
+
+_NAMES = {"all": "All", "final": "Final", "sum": "Sum", "everyn": "EveryN"}
+
+
+@dataclass(frozen=True, init=False)
+class AnchorReturnType:
+    """How an anchor is returned per run: ``"All"``, ``"Final"``, ``"Sum"`` or ``("EveryN", N)``.
+
+    Names are case-insensitive, as in PopART, and the constructor refuses what PopART's refuses:
+    an unknown name, a period for a type other than EveryN, EveryN without a period, a period <= 0.
+    """
+
+    name: str
+    period: int | None
+
+    def __init__(self, name: str, period: int | None = None) -> None:
+        canonical = _NAMES.get(name.lower()) if isinstance(name, str) else None
+        if canonical is None:
+            raise ValueError(f"Invalid anchor return type ID supplied: {name!r}. "
+                             f"Fix: use one of All, Final, Sum, EveryN (any case).")
+        if canonical != "EveryN" and period is not None:
+            raise ValueError(f"A return period should not be supplied for this anchor return "
+                             f"type ({canonical}, period={period}). Fix: drop the period, or "
+                             f"use EveryN.")
+        if canonical == "EveryN":
+            if period is None:
+                raise ValueError("Must specify return period with option 'EVERYN'. Fix: "
+                                 "AnchorReturnType('EveryN', N) with N dividing batches_per_step.")
+            if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+                raise ValueError(f"Anchor return period must be greater than zero, got "
+                                 f"{period!r}. Fix: a positive integer that divides "
+                                 f"batches_per_step.")
+        object.__setattr__(self, "name", canonical)
+        object.__setattr__(self, "period", period)
+
+    @classmethod
+    def of(cls, value: Any) -> AnchorReturnType:
+        """Accept an AnchorReturnType, a name, a ``(name, period)`` pair, or PopART's object."""
+        if isinstance(value, AnchorReturnType):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, tuple) and len(value) == 2:
+            return cls(*value)
+        if hasattr(value, "id") and hasattr(value, "rp"):  # popart.AnchorReturnType
+            name = value.id().name
+            return cls(name, value.rp() if name == "EveryN" else None)
+        raise ValueError(f"cannot read an anchor return type from {value!r}. Fix: give 'All', "
+                         f"'Final', 'Sum' or ('EveryN', N).")
+
+    def __repr__(self) -> str:
+        return f"AnchorReturnType({self.name!r}" + (
+            f", {self.period})" if self.period is not None else ")")
+
+    def batches_per_step_problem(self, batches_per_step: int) -> str | None:
+        """Why this return type cannot be used with ``batches_per_step`` (None when it can)."""
+        n = self.period
+        if n is None:
+            return None
+        if n > batches_per_step:
+            return (f"EveryN period {n} exceeds batches_per_step={batches_per_step} (PopART: "
+                    f"'Return period must be <= to the number of batches per step'). Fix: a period "
+                    f"that divides {batches_per_step}.")
+        if batches_per_step % n:
+            divisors = [d for d in range(1, batches_per_step + 1) if batches_per_step % d == 0]
+            return (f"EveryN period {n} does not divide batches_per_step={batches_per_step}. "
+                    f"Fix: use one of {divisors[:8]}{' …' if len(divisors) > 8 else ''}.")
+        return None
+
+    def fetches_per_replica(self, batches_per_step: int, accumulation_factor: int = 1) -> int:
+        """Anchor values returned per replica per run (PopART's numOutFetchesPerRepl)."""
+        total = batches_per_step * accumulation_factor
+        return {"All": total, "Final": 1, "Sum": 1}.get(
+            self.name, total // self.period if self.period else 0)
+
+    def returned_micro_batches(self, batches_per_step: int,
+                               accumulation_factor: int = 1) -> range:
+        """Which of the run's bps × A micro-batches (0-based) the anchor returns; Sum adds them."""
+        total = batches_per_step * accumulation_factor
+        if self.name == "Final":
+            return range(total - 1, total)
+        if self.name == "EveryN":
+            return range(self.period - 1, total, self.period)
+        return range(total)
+
+    def prefix(self, batches_per_step: int, accumulation_factor: int,
+               replication_factor: int) -> tuple[int, ...]:
+        """Leading factors before 1s are left out."""
+        if self.name in ("Final", "Sum"):
+            return (replication_factor,)
+        steps = batches_per_step // self.period if self.name == "EveryN" else batches_per_step
+        return steps, accumulation_factor, replication_factor
+
+
+def _positive(**factors: int) -> None:
+    bad = {k: v for k, v in factors.items()
+           if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(", ".join(f"{k}={v!r}" for k, v in bad.items())
+                         + " must be positive integers. Fix: pass counts of 1 or more.")
+
+
+def _tensor_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    dims = tuple(shape)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise ValueError(f"tensor shape {shape!r} must hold non-negative integers.")
+    return dims
+
+
+def leading_factors(batches_per_step: int, accumulation_factor: int = 1,
+                    replication_factor: int = 1, broadcast: bool = False
+                    ) -> tuple[tuple[str, int], ...]:
+    """The named leading factors of an input array, 1s left out: e.g. (("bps", 4), ("R", 2))."""
+    _positive(batches_per_step=batches_per_step, accumulation_factor=accumulation_factor,
+              replication_factor=replication_factor)
+    named = [("batches_per_step", batches_per_step), ("accumulation_factor", accumulation_factor)]
+    if not broadcast:
+        named.append(("replication_factor", replication_factor))
+    return tuple((k, v) for k, v in named if v != 1)
+
+
+def input_shape(shape: Sequence[int], batches_per_step: int, accumulation_factor: int = 1,
+                replication_factor: int = 1, broadcast: bool = False) -> tuple[int, ...]:
+    """The host array of one input for one run: ``[bps, A, R, *S]`` with 1-factors left out."""
+    dims = _tensor_shape(shape)
+    factors = leading_factors(batches_per_step, accumulation_factor, replication_factor, broadcast)
+    return tuple(v for _, v in factors) + dims
+
+
+def anchor_shape(shape: Sequence[int], art: AnchorReturnType | str | tuple,
+                 batches_per_step: int, accumulation_factor: int = 1,
+                 replication_factor: int = 1) -> tuple[int, ...]:
+    """The host array of one anchor for one run (PopART's initAnchorArrays)."""
+    art = AnchorReturnType.of(art)
+    _positive(batches_per_step=batches_per_step, accumulation_factor=accumulation_factor,
+              replication_factor=replication_factor)
+    problem = art.batches_per_step_problem(batches_per_step)
+    if problem:
+        raise ValueError(problem)
+    prefix = art.prefix(batches_per_step, accumulation_factor, replication_factor)
+    return tuple(x for x in prefix if x != 1) + _tensor_shape(shape)
+
+
+def input_elements(shape: Sequence[int], batches_per_step: int, accumulation_factor: int = 1,
+                   replication_factor: int = 1, broadcast: bool = False) -> int:
+    """PopART's own size check: nelms(S) × A × bps × (1 if Broadcast else R)."""
+    return math.prod(_tensor_shape(shape)) * accumulation_factor * batches_per_step * (
+        1 if broadcast else replication_factor)
+
+
+def anchor_elements(shape: Sequence[int], art: AnchorReturnType | str | tuple,
+                    batches_per_step: int, accumulation_factor: int = 1,
+                    replication_factor: int = 1) -> int:
+    """PopART's expected anchor size: nelms(S) × R × fetches per replica."""
+    art = AnchorReturnType.of(art)
+    return (math.prod(_tensor_shape(shape)) * replication_factor
+            * art.fetches_per_replica(batches_per_step, accumulation_factor))

@@ -1,0 +1,538 @@
+"""Host data for PopART runs: arrays per step, per replica and per instance.
+
+:class:`StepIOFactory` knows, from a SessionConfig and the tensors' specs, the exact host array
+of every input and anchor (shapes.py), makes them, checks them (stricter than PopART, which only
+counts elements on the first run), reshapes sample streams into them without copying, takes one
+instance's share of globally laid-out data, and hands them to PopART's PyStepIO or, one
+micro-batch per replica at a time, to PyStepIOCallback.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._problems import PopartKitWarning, Problem, raise_errors
+from .shapes import AnchorReturnType, anchor_shape, input_shape, leading_factors
+
+if TYPE_CHECKING:
+    from .config import SessionConfig
+
+__all__ = ["TensorSpec", "StepIOFactory", "RunBatches", "CallbackFeeder"]
+
+# PopART data type names (TensorInfo strings) for the dtypes host arrays may have.
+_POPART_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "DOUBLE": "float64",
+                  "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+                  "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+                  "BOOL": "bool"}
+
+
+def _dtype(value: Any) -> np.dtype:
+    if isinstance(value, str) and value.upper() in _POPART_DTYPES:
+        return np.dtype(_POPART_DTYPES[value.upper()])
+    try:
+        return np.dtype(value)
+    except TypeError:
+        raise ValueError(f"unknown dtype {value!r}. Fix: a numpy dtype ('float32', np.int32) or "
+                         f"a PopART type name ({', '.join(_POPART_DTYPES)}).") from None
+
+
+@dataclass(frozen=True, init=False)
+class TensorSpec:
+    """One tensor's shape per micro-batch and replica (``S``), its dtype, and whether it is a
+    Broadcast input (one host value for every replica)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    broadcast: bool
+
+    def __init__(self, shape: Sequence[int], dtype: Any = "float32",
+                 broadcast: bool = False) -> None:
+        dims = tuple(shape)
+        if any(isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0 for d in dims):
+            raise ValueError(f"TensorSpec shape {shape!r} must hold non-negative integers.")
+        object.__setattr__(self, "shape", tuple(int(d) for d in dims))
+        object.__setattr__(self, "dtype", _dtype(dtype))
+        object.__setattr__(self, "broadcast", bool(broadcast))
+
+    @property
+    def nelms(self) -> int:
+        return math.prod(self.shape)
+
+
+def _spec(value: Any) -> TensorSpec:
+    if isinstance(value, TensorSpec):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Sequence):
+        return TensorSpec(*value)
+    raise ValueError(f"expected a TensorSpec or (shape, dtype), got {value!r}.")
+
+
+def _problem(kind: str, name: str, message: str, fix: str, rule: str,
+             **involved: Any) -> Problem:
+    """A problem with input or anchor ``name``; the message is completed with that name."""
+    return Problem(f"{kind}.{name}", f"{kind[:-1]} {name!r} {message}", fix, rule,
+                   involved=involved)
+
+
+_AXIS_NAMES = {"batches_per_step": "bps", "accumulation_factor": "A", "replication_factor": "R"}
+
+
+def _layout(factors: Sequence[tuple[str, int]], shape: Sequence[int]) -> str:
+    lead = ", ".join(f"{_AXIS_NAMES[k]}={v}" for k, v in factors)
+    full = tuple(v for _, v in factors) + tuple(shape)
+    return f"[{lead}] + S={tuple(shape)} = {full}" if factors else f"S={tuple(shape)}"
+
+
+def _shape_mismatch(factors: Sequence[tuple[str, int]], spec_shape: Sequence[int],
+                    given: tuple[int, ...]) -> str:
+    """Which leading factor or tensor dimension of ``given`` is wrong, and what each should be."""
+    expected = tuple(v for _, v in factors) + tuple(spec_shape)
+    names = [k for k, _ in factors] + [f"tensor dim {i}" for i in range(len(spec_shape))]
+    if len(given) == len(expected):
+        wrong = [f"axis {i} ({names[i]}) is {g}, expected {e}"
+                 for i, (g, e) in enumerate(zip(given, expected, strict=True)) if g != e]
+        why = "; ".join(wrong)
+    elif len(given) < len(expected):
+        missing = [f"{names[i]} ({expected[i]})" for i in range(len(expected))
+                   if expected[:i] + expected[i + 1:] == given]
+        why = (f"the {' or the '.join(missing)} axis is missing"
+               if missing else f"rank {len(given)}, expected {len(expected)}")
+    else:
+        ones = [i for i in range(len(given) - len(expected) + 1) if given[i] == 1]
+        stripped = tuple(d for i, d in enumerate(given) if i not in ones[:len(given) - len(
+            expected)])
+        why = ("leading factors equal to 1 are left out of PopART's layout"
+               if stripped == expected else f"rank {len(given)}, expected {len(expected)}")
+    same_size = math.prod(given) == math.prod(expected)
+    return (f"has shape {given}: {why}; expected {_layout(factors, spec_shape)}"
+            + (" (same number of elements: PopART would read it in that layout, so reshape it "
+               "if that is what it holds)" if same_size and given != expected else ""))
+
+
+def _array_problems(kind: str, name: str, array: Any, spec: TensorSpec,
+                    factors: Sequence[tuple[str, int]], *, check_shape: bool = True,
+                    writable: bool = False, exact_dtype: bool = False) -> list[Problem]:
+    if not isinstance(array, np.ndarray):
+        return [_problem(kind, name, f"is a {type(array).__name__}, not a numpy array.",
+                         "pass np.ndarray values.", "K-stepio-type")]
+    out = []
+    expected = tuple(v for _, v in factors) + spec.shape
+    if check_shape and array.shape != expected:
+        out.append(_problem(kind, name, _shape_mismatch(factors, spec.shape, array.shape) + ".",
+                            f"give an array of shape {expected}.", "K-stepio-shape",
+                            shape=array.shape))
+    # PyStepIO converts host int64 into an int32 tensor; nothing else converts, and the
+    # callback path copies raw bytes, so there the dtype must match exactly.
+    converts = kind == "inputs" and spec.dtype == np.int32 and not exact_dtype
+    if array.dtype != spec.dtype and not (converts and array.dtype == np.int64):
+        out.append(_problem(
+            kind, name, f"has dtype {array.dtype}, expected {spec.dtype} (PopART accepts only the "
+                        f"tensor's own dtype" + (", or int64 for int32" if converts else "")
+                        + ").", f"array.astype(np.{spec.dtype}).", "K-stepio-dtype",
+            dtype=str(array.dtype)))
+    if not array.flags.c_contiguous:
+        out.append(_problem(kind, name, "is not C-contiguous: PopART's PyStepIO refuses it.",
+                            "np.ascontiguousarray(array) (copies it).", "K-stepio-contiguous"))
+    if writable and not array.flags.writeable:
+        out.append(_problem(kind, name, "is read-only: PopART writes anchors in place.",
+                            "pass a writable array (allocate_anchors() makes them).",
+                            "K-stepio-readonly"))
+    return out
+
+
+def _name_problems(kind: str, given: Iterable[str], known: Mapping[str, Any]) -> list[Problem]:
+    given = list(given)
+    out = [_problem(kind, n, "is missing.", f"provide every {kind[:-1]}: {', '.join(known)}.",
+                    "K-stepio-missing") for n in known if n not in given]
+    out += [_problem(kind, n, f"is not one of this session's {kind} ({', '.join(known)}).",
+                     "remove it, or declare it when building the StepIOFactory.",
+                     "K-stepio-unknown") for n in given if n not in known]
+    return out
+
+
+class StepIOFactory:
+    """Host arrays of a session's inputs and anchors, shaped for one run of this instance."""
+
+    def __init__(self, config: SessionConfig,
+                 inputs: Mapping[str, TensorSpec | tuple] | None = None,
+                 anchors: Mapping[str, tuple[TensorSpec | tuple, Any]] | None = None) -> None:
+        self.config = config
+        problems: list[Problem] = []
+        self.inputs: dict[str, TensorSpec] = {}
+        for name, spec in (inputs or {}).items():
+            try:
+                self.inputs[name] = _spec(spec)
+            except ValueError as err:
+                problems.append(_problem("inputs", name, str(err), "give TensorSpec(shape, dtype).",
+                                         "K-stepio-spec"))
+        self.anchors: dict[str, tuple[TensorSpec, AnchorReturnType]] = {}
+        bps = config.batches_per_step
+        for name, entry in (anchors or {}).items():
+            try:
+                spec, art = entry
+                spec, art = _spec(spec), AnchorReturnType.of(art)
+            except (ValueError, TypeError) as err:
+                problems.append(_problem("anchors", name, str(err),
+                                         "give (TensorSpec, return type).", "K-stepio-spec"))
+                continue
+            if (why := art.batches_per_step_problem(bps)) is not None:
+                problems.append(_problem("anchors", name, why.split(" Fix: ")[0],
+                                         why.split(" Fix: ")[-1], "V46", period=art.period))
+            elif art.name == "EveryN" and config.pipeline.enabled:
+                problems.append(_problem("anchors", name,
+                                         "EveryN anchors are not valid for pipelined models.",
+                                         "use All, Final or Sum, or disable pipelining.", "V14"))
+            else:
+                self.anchors[name] = (spec, art)
+        raise_errors("StepIOFactory", problems)
+
+    # -- numbers ------------------------------------------------------------------------------
+
+    @property
+    def _bps(self) -> int:
+        return self.config.batches_per_step
+
+    @property
+    def _accumulation(self) -> int:
+        return self.config.accumulation.factor
+
+    @property
+    def _replicas(self) -> int:
+        return self.config.replication.local_factor
+
+    def _input_factors(self, spec: TensorSpec, replicas: int | None = None
+                       ) -> tuple[tuple[str, int], ...]:
+        return leading_factors(self._bps, self._accumulation,
+                               self._replicas if replicas is None else replicas, spec.broadcast)
+
+    def _anchor_factors(self, art: AnchorReturnType) -> tuple[tuple[str, int], ...]:
+        names = ("replication_factor",) if art.name in ("Final", "Sum") else (
+            "batches_per_step", "accumulation_factor", "replication_factor")
+        prefix = art.prefix(self._bps, self._accumulation, self._replicas)
+        return tuple((k, v) for k, v in zip(names, prefix, strict=True) if v != 1)
+
+    def _known_input(self, name: str) -> TensorSpec:
+        try:
+            return self.inputs[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not an input of this session "
+                           f"({', '.join(self.inputs) or 'none'}).") from None
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        spec = self._known_input(name)
+        return input_shape(spec.shape, self._bps, self._accumulation, self._replicas,
+                           spec.broadcast)
+
+    def anchor_shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.anchors:
+            raise KeyError(f"{name!r} is not an anchor of this session "
+                           f"({', '.join(self.anchors) or 'none'}).")
+        spec, art = self.anchors[name]
+        return anchor_shape(spec.shape, art, self._bps, self._accumulation, self._replicas)
+
+    # -- making arrays --------------------------------------------------------------------------
+
+    def allocate_inputs(self, fill: str = "zeros", seed: int = 0) -> dict[str, np.ndarray]:
+        """One run's input arrays, zeros or random (normal floats, small ints, random bools)."""
+        if fill not in ("zeros", "random"):
+            raise ValueError(f"fill={fill!r}: use 'zeros' or 'random'.")
+        rng = np.random.default_rng(seed)
+        out = {}
+        for name, spec in self.inputs.items():
+            shape = self.input_shape(name)
+            if fill == "zeros":
+                out[name] = np.zeros(shape, spec.dtype)
+            elif spec.dtype == np.bool_:
+                out[name] = rng.integers(0, 2, shape).astype(np.bool_)
+            elif np.issubdtype(spec.dtype, np.integer):
+                out[name] = rng.integers(0, 10, shape).astype(spec.dtype)
+            else:
+                out[name] = rng.standard_normal(shape).astype(spec.dtype)
+        return out
+
+    def allocate_anchors(self) -> dict[str, np.ndarray]:
+        """Zeroed anchor arrays, as PopART's initAnchorArrays shapes them."""
+        return {name: np.zeros(self.anchor_shape(name), spec.dtype)
+                for name, (spec, _) in self.anchors.items()}
+
+    def from_samples(self, samples: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Arrays of one run's micro-batches in PopART's order (batch, then accumulation step,
+        then replica, then the tensor) as canonical arrays: views, never copies."""
+        problems = _name_problems("inputs", samples, self.inputs)
+        out = {}
+        for name, array in samples.items():
+            spec = self.inputs.get(name)
+            if spec is None:
+                continue
+            factors = self._input_factors(spec)
+            found = _array_problems("inputs", name, array, spec, factors, check_shape=False)
+            if not found:
+                need = math.prod(v for _, v in factors) * spec.nelms
+                if array.size != need:
+                    product = " × ".join(f"{_AXIS_NAMES[k]}={v}" for k, v in factors)
+                    found.append(_problem(
+                        "inputs", name,
+                        f"holds {array.size} elements; one run needs "
+                        f"{product + ' × ' if product else ''}nelms(S={spec.shape})={spec.nelms}"
+                        f" = {need}.",
+                        f"pass exactly {need // max(spec.nelms, 1)} micro-batches of {spec.shape}"
+                        f" (shape {self.input_shape(name)}).", "K-stepio-size",
+                        size=array.size))
+            problems += found
+            if not found:
+                out[name] = array.reshape(self.input_shape(name))
+        raise_errors("StepIOFactory.from_samples", problems)
+        return out
+
+    # -- checking -----------------------------------------------------------------------------
+
+    def check_inputs(self, arrays: Mapping[str, Any], *, exact_dtype: bool = False,
+                     require_all: bool = True) -> None:
+        """Refuse (one ValueError listing every problem) inputs PopART would misread or reject:
+        missing or unknown names, wrong shape (which axis, and each factor), dtype, layout."""
+        problems = _name_problems("inputs", arrays, self.inputs if require_all else {
+            n: s for n, s in self.inputs.items() if n in arrays})
+        for name, array in arrays.items():
+            if name in self.inputs:
+                spec = self.inputs[name]
+                problems += _array_problems("inputs", name, array, spec,
+                                            self._input_factors(spec), exact_dtype=exact_dtype)
+        raise_errors("StepIOFactory.check_inputs", problems)
+
+    def check_anchors(self, arrays: Mapping[str, Any]) -> None:
+        """The same for anchor arrays, which must also be writable."""
+        problems = _name_problems("anchors", arrays, self.anchors)
+        for name, array in arrays.items():
+            if name in self.anchors:
+                spec, art = self.anchors[name]
+                problems += _array_problems("anchors", name, array, spec,
+                                            self._anchor_factors(art), writable=True)
+        raise_errors("StepIOFactory.check_anchors", problems)
+
+    # -- replicas and instances ---------------------------------------------------------------
+
+    def _replica_axis(self, spec: TensorSpec) -> int | None:
+        """Axis of R in this instance's arrays; None when there is none (R = 1 or Broadcast)."""
+        names = [k for k, _ in self._input_factors(spec)]
+        return names.index("replication_factor") if "replication_factor" in names else None
+
+    def shard(self, global_arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This instance's C-contiguous share of inputs laid out for all G global replicas
+        (``[bps, A, G, *S]``): replicas global_offset .. global_offset + R - 1."""
+        rep = self.config.replication
+        total = rep.global_replicas
+        problems = _name_problems("inputs", global_arrays, self.inputs)
+        for name, array in global_arrays.items():
+            if name in self.inputs:
+                spec = self.inputs[name]
+                problems += _array_problems("inputs", name, array, spec,
+                                            self._input_factors(spec, total))
+        raise_errors("StepIOFactory.shard", problems)
+        out = {}
+        for name, array in global_arrays.items():
+            spec = self.inputs[name]
+            global_names = [k for k, _ in self._input_factors(spec, total)]
+            if spec.broadcast or total == rep.local_factor:
+                out[name] = array
+                continue
+            axis = global_names.index("replication_factor")
+            index: Any = (slice(rep.global_offset, rep.global_offset + rep.local_factor)
+                          if rep.local_factor > 1 else rep.global_offset)
+            out[name] = np.ascontiguousarray(array[(slice(None),) * axis + (index,)])
+        return out
+
+    def replica(self, arrays: Mapping[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
+        """Views of what local replica ``r`` receives at each (batch, accumulation step)."""
+        if not 0 <= r < self._replicas:
+            raise ValueError(f"replica {r} does not exist: this instance runs "
+                             f"{self._replicas} local replica(s), 0..{self._replicas - 1}.")
+        self.check_inputs(arrays, require_all=False)
+        out = {}
+        for name, array in arrays.items():
+            axis = self._replica_axis(self.inputs[name])
+            out[name] = array if axis is None else array[(slice(None),) * axis + (r,)]
+        return out
+
+    def batches(self, dataset: Iterable[Any]) -> RunBatches:
+        """Group a stream of samples into per-run input dicts for this instance.
+
+        Each sample is ``{input name: array of shape S[1:]}`` (or, with one input, the array);
+        ``S[0]`` is the micro-batch size. A run takes bps × A × G × micro-batch samples, laid out
+        in PopART's order over all G global replicas, of which this instance keeps its share.
+        Samples that do not fill a last run are dropped and counted in ``.dropped``.
+        """
+        return RunBatches(self, dataset)
+
+    # -- PopART -------------------------------------------------------------------------------
+
+    def stepio(self, inputs: Mapping[str, np.ndarray], anchors: Mapping[str, np.ndarray],
+               popart: Any = None) -> Any:
+        """A ``popart.PyStepIO`` over checked arrays (needs the Poplar SDK)."""
+        from ._mapping import import_popart
+
+        self.check_inputs(inputs)
+        self.check_anchors(anchors)
+        popart = import_popart() if popart is None else popart
+        return popart.PyStepIO(inputs=dict(inputs), outputs=dict(anchors))
+
+    def stepio_callback(self, inputs: Mapping[str, np.ndarray],
+                        anchors: Mapping[str, np.ndarray], popart: Any = None) -> Any:
+        """A ``popart.PyStepIOCallback`` that feeds one micro-batch per replica per call."""
+        from ._mapping import import_popart
+
+        feeder = self.feeder(inputs, anchors)
+        popart = import_popart() if popart is None else popart
+        return popart.PyStepIOCallback(
+            input_callback=feeder.input, input_complete_callback=feeder.input_complete,
+            output_callback=feeder.output, output_complete_callback=feeder.output_complete)
+
+    def feeder(self, inputs: Mapping[str, np.ndarray],
+               anchors: Mapping[str, np.ndarray]) -> CallbackFeeder:
+        """The callbacks behind :meth:`stepio_callback`, over checked arrays (the callback path
+        copies raw bytes, so dtypes must match exactly)."""
+        self.check_inputs(inputs, exact_dtype=True)
+        self.check_anchors(anchors)
+        feeds = {name: self._micro_batches(array, self.inputs[name].shape,
+                                           self._input_factors(self.inputs[name]))
+                 for name, array in inputs.items()}
+        slots = {name: self._micro_batches(array, self.anchors[name][0].shape,
+                                           self._anchor_factors(self.anchors[name][1]))
+                 for name, array in anchors.items()}
+        return CallbackFeeder(feeds, slots)
+
+    @staticmethod
+    def _micro_batches(array: np.ndarray, shape: tuple[int, ...],
+                       factors: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """Views of each (micro-batch, replica) block in PopART's order; scalars as (1,)."""
+        blocks = array.reshape((-1,) + shape)
+        if not shape:
+            blocks = blocks.reshape(-1, 1)
+        return list(blocks)
+
+
+class CallbackFeeder:
+    """PopART's callback protocol over host arrays: inputs are handed out micro-batch-major,
+    replica-minor, one C-contiguous view per call; anchors are written into views likewise."""
+
+    def __init__(self, feeds: Mapping[str, list[np.ndarray]],
+                 slots: Mapping[str, list[np.ndarray]]) -> None:
+        self._feeds, self._slots = dict(feeds), dict(slots)
+        self._next_in = dict.fromkeys(self._feeds, 0)
+        self._next_out = dict.fromkeys(self._slots, 0)
+
+    def _lookup(self, table: Mapping[str, list[np.ndarray]], name: str, kind: str
+                ) -> list[np.ndarray]:
+        try:
+            return table[name]
+        except KeyError:
+            raise KeyError(f"PopART asked for {kind} {name!r}, which this StepIO does not hold "
+                           f"({', '.join(table) or 'none'}).") from None
+
+    def input(self, name: str, prefetch: bool) -> np.ndarray | None:
+        blocks = self._lookup(self._feeds, name, "input")
+        i = self._next_in[name]
+        if i >= len(blocks):
+            if prefetch:
+                return None  # "no data yet": allowed while prefetching
+            raise RuntimeError(f"input {name!r}: all {len(blocks)} micro-batches of this run "
+                               f"were consumed; PopART asked for one more.")
+        return blocks[i]
+
+    def input_complete(self, name: str) -> None:
+        self._lookup(self._feeds, name, "input")
+        self._next_in[name] += 1
+
+    def output(self, name: str) -> np.ndarray:
+        slots = self._lookup(self._slots, name, "anchor")
+        i = self._next_out[name]
+        if i >= len(slots):
+            raise RuntimeError(f"anchor {name!r}: all {len(slots)} slots of this run were "
+                               f"written; PopART returned one more.")
+        return slots[i]
+
+    def output_complete(self, name: str) -> None:
+        self._lookup(self._slots, name, "anchor")
+        self._next_out[name] += 1
+
+    @property
+    def remaining(self) -> dict[str, int]:
+        """Blocks not yet consumed (inputs) or written (anchors): all 0 after a whole run."""
+        return ({n: len(b) - self._next_in[n] for n, b in self._feeds.items()}
+                | {n: len(s) - self._next_out[n] for n, s in self._slots.items()})
+
+
+class RunBatches(Iterator[dict[str, np.ndarray]]):
+    """Per-run input dicts made from a stream of samples; ``dropped`` counts the samples left
+    over at the end (a warning says so too)."""
+
+    def __init__(self, factory: StepIOFactory, dataset: Iterable[Any]) -> None:
+        problems = [_problem("inputs", n, "is a Broadcast input, which one sample per replica "
+                                          "cannot feed.", "build its arrays yourself.",
+                             "K-stepio-broadcast-batches")
+                    for n, s in factory.inputs.items() if s.broadcast]
+        problems += [_problem("inputs", n, f"has shape {s.shape} without a micro-batch axis.",
+                              "give every input a leading micro-batch dimension.",
+                              "K-stepio-no-batch-axis")
+                     for n, s in factory.inputs.items() if not s.shape]
+        raise_errors("StepIOFactory.batches", problems)
+        sizes = {s.shape[0] for s in factory.inputs.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"inputs disagree on the micro-batch size (first dimension): "
+                             f"{ {n: s.shape[0] for n, s in factory.inputs.items()} }. Fix: give "
+                             f"every input the same leading dimension.")
+        cfg = factory.config
+        self.micro_batch_size = sizes.pop() if sizes else 0
+        if self.micro_batch_size < 1:
+            raise ValueError("batches() needs inputs with a micro-batch size of at least 1.")
+        self.samples_per_run = (cfg.batches_per_step * cfg.accumulation.factor
+                                * cfg.replication.global_replicas * self.micro_batch_size)
+        self._factory = factory
+        self._samples = iter(dataset)
+        self._total = cfg.replication.global_replicas
+        self.runs = 0
+        self.dropped = 0
+        self._done = False
+
+    def _sample(self, raw: Any) -> Mapping[str, Any]:
+        if isinstance(raw, Mapping):
+            return raw
+        if len(self._factory.inputs) == 1:
+            return {next(iter(self._factory.inputs)): raw}
+        raise ValueError(f"a sample must map input names ({', '.join(self._factory.inputs)}) "
+                         f"to arrays, got {type(raw).__name__}.")
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._done:
+            raise StopIteration
+        taken = []
+        for raw in self._samples:
+            taken.append(self._sample(raw))
+            if len(taken) == self.samples_per_run:
+                break
+        if len(taken) < self.samples_per_run or not taken:
+            self._done = True
+            self.dropped = len(taken)
+            if self.dropped:
+                warnings.warn(f"{self.dropped} samples at the end of the dataset do not fill a "
+                              f"run of {self.samples_per_run} and were dropped.",
+                              PopartKitWarning, stacklevel=2)
+            raise StopIteration
+        factory = self._factory
+        stacked = {}
+        for name, spec in factory.inputs.items():
+            block = np.stack([np.asarray(s[name], dtype=spec.dtype) for s in taken])
+            if block.shape[1:] != spec.shape[1:]:
+                raise ValueError(f"input {name!r}: samples of shape {block.shape[1:]}, expected "
+                                 f"{spec.shape[1:]} (S={spec.shape} without its micro-batch "
+                                 f"axis). Fix: yield one sample at a time.")
+            stacked[name] = block.reshape(input_shape(
+                spec.shape, factory._bps, factory._accumulation, self._total))
+        self.runs += 1
+        return factory.shard(stacked)
+
