@@ -66,11 +66,14 @@ class TensorSpec:
 
 
 def _spec(value: Any) -> TensorSpec:
+    """A TensorSpec from itself, a ``(shape, dtype)`` pair or a bare shape (float32)."""
     if isinstance(value, TensorSpec):
         return value
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Sequence):
         return TensorSpec(*value)
-    raise ValueError(f"expected a TensorSpec or (shape, dtype), got {value!r}.")
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return TensorSpec(value)
+    raise ValueError(f"expected a TensorSpec, (shape, dtype) or a shape, got {value!r}.")
 
 
 def _problem(kind: str, name: str, message: str, fix: str, rule: str,
@@ -344,7 +347,8 @@ class StepIOFactory:
             axis = global_names.index("replication_factor")
             index: Any = (slice(rep.global_offset, rep.global_offset + rep.local_factor)
                           if rep.local_factor > 1 else rep.global_offset)
-            out[name] = np.ascontiguousarray(array[(slice(None),) * axis + (index,)])
+            share = array[(slice(None),) * axis + (index, Ellipsis)]  # Ellipsis keeps 0-d arrays
+            out[name] = share if share.flags.c_contiguous else share.copy(order="C")
         return out
 
     def replica(self, arrays: Mapping[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
@@ -356,7 +360,7 @@ class StepIOFactory:
         out = {}
         for name, array in arrays.items():
             axis = self._replica_axis(self.inputs[name])
-            out[name] = array if axis is None else array[(slice(None),) * axis + (r,)]
+            out[name] = array if axis is None else array[(slice(None),) * axis + (r, Ellipsis)]
         return out
 
     def batches(self, dataset: Iterable[Any]) -> RunBatches:

@@ -1,0 +1,301 @@
+"""StepIOFactory: allocation, views over sample streams, strict checks, instances and replicas."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+import popart_kit as pk
+
+pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
+
+DTYPES = ["float32", "float16", "int32", "uint8", "bool"]
+
+
+def config(bps=4, acc=2, local=2, global_factor=None, offset=0, **kw) -> pk.SessionConfig:
+    rep = {"local_factor": local, "global_offset": offset}
+    if global_factor:
+        rep["global_factor"] = global_factor
+    return pk.SessionConfig(mode=kw.pop("mode", "training"), batches_per_step=bps,
+                            accumulation={"factor": acc}, replication=rep, **kw)
+
+
+def factory(cfg=None, **inputs) -> pk.StepIOFactory:
+    return pk.StepIOFactory(cfg or config(), inputs=inputs or {"x": pk.TensorSpec((8, 16))})
+
+
+def errors(info) -> list[tuple[str, str]]:
+    return [(".".join(map(str, e["loc"])), e["msg"]) for e in info.value.errors()]
+
+
+@st.composite
+def layouts(draw):
+    """A config, one input spec, and the input's global layout factors."""
+    bps, acc = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    local, instances = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 3), max_size=3)))
+    spec = pk.TensorSpec(shape, draw(st.sampled_from(DTYPES)), draw(st.booleans()))
+    return bps, acc, local, instances, spec
+
+
+# -- specs and construction -----------------------------------------------------------------------
+
+
+def test_tensor_spec_takes_numpy_and_popart_dtype_names():
+    assert pk.TensorSpec((2,), "FLOAT16").dtype == np.float16
+    assert pk.TensorSpec((2,), np.int32).dtype == np.int32
+    with pytest.raises(ValueError, match="unknown dtype 'float33'"):
+        pk.TensorSpec((2,), "float33")
+    with pytest.raises(ValueError, match="non-negative integers"):
+        pk.TensorSpec((2, -1))
+
+
+def test_construction_reports_every_bad_anchor():
+    cfg = config(bps=4, acc=8, ipus_per_replica=2,
+                 pipeline={"enabled": True, "stages": 2})
+    with pytest.raises(ValidationError) as info:
+        pk.StepIOFactory(cfg, anchors={"a": (pk.TensorSpec((2,)), ("EveryN", 3)),
+                                       "b": (pk.TensorSpec((2,)), ("EveryN", 2)),
+                                       "c": ((2,), "Allish")})
+    found = dict(errors(info))
+    assert "does not divide batches_per_step=4" in found["anchors.a"]
+    assert "not valid for pipelined models" in found["anchors.b"]
+    assert "Invalid anchor return type ID supplied: 'Allish'" in found["anchors.c"]
+
+
+def test_shapes_and_allocation():
+    cfg = config(bps=4, acc=2, local=2)
+    io = pk.StepIOFactory(cfg, inputs={"x": pk.TensorSpec((8, 16)),
+                                       "ids": pk.TensorSpec((8,), "int32"),
+                                       "scale": pk.TensorSpec((), broadcast=True)},
+                          anchors={"y": (pk.TensorSpec((8, 10)), "All"),
+                                   "loss": (pk.TensorSpec(()), "Final"),
+                                   "acc": (pk.TensorSpec((1,)), ("EveryN", 2))})
+    assert io.input_shape("x") == (4, 2, 2, 8, 16)
+    assert io.input_shape("scale") == (4, 2)
+    assert io.anchor_shape("loss") == (2,)
+    assert io.anchor_shape("acc") == (2, 2, 2, 1)
+    zeros = io.allocate_inputs()
+    assert {k: (v.shape, v.dtype) for k, v in zeros.items()} == {
+        "x": ((4, 2, 2, 8, 16), np.float32), "ids": ((4, 2, 2, 8), np.int32),
+        "scale": ((4, 2), np.float32)}
+    assert not zeros["x"].any()
+    a, b = io.allocate_inputs("random", seed=3), io.allocate_inputs("random", seed=3)
+    assert all(np.array_equal(a[k], b[k]) for k in a) and a["x"].std() > 0.5
+    assert a["ids"].min() >= 0 and a["ids"].max() < 10
+    anchors = io.allocate_anchors()
+    assert {k: v.shape for k, v in anchors.items()} == {"y": (4, 2, 2, 8, 10), "loss": (2,),
+                                                        "acc": (2, 2, 2, 1)}
+    io.check_inputs(zeros)
+    io.check_anchors(anchors)
+    with pytest.raises(KeyError, match="'z' is not an input of this session"):
+        io.input_shape("z")
+    with pytest.raises(ValueError, match="fill='ones'"):
+        io.allocate_inputs("ones")
+
+
+# -- from_samples -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None)
+@given(layouts())
+def test_from_samples_makes_views_in_popart_order(layout):
+    bps, acc, local, _, spec = layout
+    cfg = config(bps=bps, acc=acc, local=local)
+    io = pk.StepIOFactory(cfg, inputs={"x": spec})
+    count = bps * acc * (1 if spec.broadcast else local)
+    samples = np.arange(count * spec.nelms).astype(spec.dtype).reshape((count,) + spec.shape)
+    out = io.from_samples({"x": samples})["x"]
+    assert out.shape == io.input_shape("x")
+    assert np.shares_memory(out, samples) and out.base is not None
+    # micro-batch k of the stream is (b, a, r) = (k // (A R), k // R % A, k % R)
+    blocks = out.reshape((-1,) + spec.shape)
+    for k in range(count):
+        assert np.array_equal(blocks[k], samples[k])
+
+
+def test_from_samples_refuses_wrong_sizes_with_the_factors():
+    io = factory(config(bps=4, acc=2, local=2))
+    with pytest.raises(ValidationError) as info:
+        io.from_samples({"x": np.zeros((10, 16), np.float32)})
+    (loc, msg), = errors(info)
+    assert loc == "inputs.x"
+    assert "holds 160 elements" in msg
+    assert "bps=4 × A=2 × R=2 × nelms(S=(8, 16))=128 = 2048" in msg
+    assert "16 micro-batches of (8, 16)" in msg
+
+
+def test_from_samples_never_copies_a_strided_array():
+    io = factory(config(bps=2, acc=1, local=1), x=pk.TensorSpec((4,)))
+    strided = np.zeros((2, 8), np.float32)[:, ::2]
+    with pytest.raises(ValidationError, match="not C-contiguous"):
+        io.from_samples({"x": strided})
+
+
+# -- check_inputs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given_shape, why", [
+    ((4, 2, 8, 16), "the accumulation_factor (2) or the replication_factor (2) axis is missing"),
+    ((4, 3, 2, 8, 16), "axis 1 (accumulation_factor) is 3, expected 2"),
+    ((4, 2, 2, 8, 15), "axis 4 (tensor dim 1) is 15, expected 16"),
+    ((1, 4, 2, 2, 8, 16), "leading factors equal to 1 are left out"),
+    ((2, 4, 2, 8, 16), "same number of elements"),
+    ((4, 2, 2, 128), "rank 4, expected 5"),
+])
+def test_check_inputs_says_which_axis_is_wrong(given_shape, why):
+    io = factory(config(bps=4, acc=2, local=2))
+    with pytest.raises(ValidationError) as info:
+        io.check_inputs({"x": np.zeros(given_shape, np.float32)})
+    (loc, msg), = errors(info)
+    assert loc == "inputs.x" and why in msg
+    assert "expected [bps=4, A=2, R=2] + S=(8, 16) = (4, 2, 2, 8, 16)" in msg
+
+
+def test_check_inputs_reports_every_problem_at_once():
+    io = pk.StepIOFactory(config(bps=2, acc=1, local=1),
+                          inputs={"x": pk.TensorSpec((3,)), "ids": pk.TensorSpec((3,), "int32"),
+                                  "m": pk.TensorSpec((3,), "float16"),
+                                  "w": pk.TensorSpec((3,))})
+    with pytest.raises(ValidationError) as info:
+        io.check_inputs({"x": np.zeros((2, 3), np.float64),
+                         "ids": np.zeros((2, 3), np.int64),      # allowed: PopART converts
+                         "m": np.zeros((3, 2), np.float16).T,    # not C-contiguous
+                         "extra": np.zeros(1)})
+    found = errors(info)
+    assert [loc for loc, _ in found] == ["inputs.w", "inputs.extra", "inputs.x", "inputs.m"]
+    assert "input 'x' has dtype float64, expected float32" in found[2][1]
+    assert "not C-contiguous" in found[3][1]
+
+
+def test_check_inputs_refuses_non_arrays():
+    with pytest.raises(ValidationError, match="input 'x' is a list, not a numpy array"):
+        factory().check_inputs({"x": [1.0, 2.0]})
+
+
+def test_check_anchors_needs_writable_arrays():
+    io = pk.StepIOFactory(config(), anchors={"y": (pk.TensorSpec((2,)), "Sum")})
+    frozen = io.allocate_anchors()["y"]
+    frozen.flags.writeable = False
+    with pytest.raises(ValidationError, match="read-only"):
+        io.check_anchors({"y": frozen})
+
+
+# -- shard and replica -------------------------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None)
+@given(layouts())
+def test_shards_of_every_instance_give_back_the_global_arrays(layout):
+    bps, acc, local, instances, spec = layout
+    total = local * instances
+    glob = np.arange(bps * acc * (1 if spec.broadcast else total) * spec.nelms).astype(
+        spec.dtype).reshape(pk.input_shape(spec.shape, bps, acc, total, spec.broadcast))
+    pieces = []
+    for instance in range(instances):
+        cfg = config(bps=bps, acc=acc, local=local, global_factor=total,
+                     offset=instance * local)
+        io = pk.StepIOFactory(cfg, inputs={"x": spec})
+        mine = io.shard({"x": glob})["x"]
+        assert mine.shape == io.input_shape("x") and mine.flags.c_contiguous
+        io.check_inputs({"x": mine})
+        pieces.append(mine)
+    if spec.broadcast or instances == 1:
+        assert all(np.array_equal(p, glob) for p in pieces)
+        return
+    axis = (bps > 1) + (acc > 1)
+    joined = (np.concatenate(pieces, axis=axis) if local > 1 else np.stack(pieces, axis=axis))
+    assert np.array_equal(joined, glob)
+    # the same data G local replicas in one process would see
+    one = pk.StepIOFactory(config(bps=bps, acc=acc, local=total, device={"target": "offline"}),
+                           inputs={"x": spec})
+    for g in range(total):
+        inst, r = divmod(g, local)
+        cfg = config(bps=bps, acc=acc, local=local, global_factor=total, offset=inst * local)
+        io = pk.StepIOFactory(cfg, inputs={"x": spec})
+        assert np.array_equal(io.replica({"x": pieces[inst]}, r)["x"],
+                              one.replica({"x": glob}, g)["x"])
+
+
+def test_shard_refuses_local_shaped_arrays():
+    io = factory(config(bps=2, acc=1, local=2, global_factor=8, offset=2),
+                 x=pk.TensorSpec((3,)))
+    with pytest.raises(ValidationError, match="axis 1 \\(replication_factor\\) is 2, expected 8"):
+        io.shard({"x": np.zeros((2, 2, 3), np.float32)})
+
+
+def test_replica_views():
+    io = factory(config(bps=3, acc=2, local=4), x=pk.TensorSpec((5,)))
+    x = io.allocate_inputs("random")["x"]
+    for r in range(4):
+        view = io.replica({"x": x}, r)["x"]
+        assert view.shape == (3, 2, 5) and np.shares_memory(view, x)
+        assert np.array_equal(view, x[:, :, r])
+    with pytest.raises(ValueError, match="replica 4 does not exist: this instance runs 4"):
+        io.replica({"x": x}, 4)
+
+
+def test_replica_of_a_scalar_tensor_is_a_view():
+    io = factory(config(bps=1, acc=1, local=2), s=pk.TensorSpec(()))
+    s = np.array([1.0, 2.0], np.float32)
+    view = io.replica({"s": s}, 1)["s"]
+    assert view.shape == () and np.shares_memory(view, s) and view == 2.0
+
+
+def test_broadcast_inputs_are_the_same_for_every_replica():
+    io = factory(config(bps=2, acc=1, local=2), s=pk.TensorSpec((3,), broadcast=True))
+    s = io.allocate_inputs("random")["s"]
+    assert io.replica({"s": s}, 0)["s"] is s and io.replica({"s": s}, 1)["s"] is s
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+def _dataset(n: int, width: int = 3):
+    return [{"x": np.full(width, i, np.float32), "y": np.int32(i)} for i in range(n)]
+
+
+def test_batches_group_samples_into_runs_and_count_the_rest():
+    cfg = config(bps=2, acc=1, local=2)
+    io = pk.StepIOFactory(cfg, inputs={"x": pk.TensorSpec((4, 3)), "y": pk.TensorSpec((4,),
+                                                                                       "int32")})
+    runs = io.batches(_dataset(40))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = list(runs)
+    assert runs.samples_per_run == 16 and runs.runs == 2 and len(got) == 2
+    assert runs.dropped == 8
+    assert any("8 samples at the end" in str(w.message) for w in caught)
+    first = got[0]
+    io.check_inputs(first)
+    # sample k of the run sits at micro-batch (b, r) = divmod(k // 4, 2), row k % 4
+    assert np.array_equal(first["y"], np.arange(16).reshape(2, 2, 4))
+    assert np.array_equal(first["x"][1, 0, 2], np.full(3, 10))
+
+
+def test_batches_of_each_instance_are_its_share_of_the_global_run():
+    shards = []
+    for offset in (0, 2):
+        cfg = config(bps=2, acc=2, local=2, global_factor=4, offset=offset)
+        io = pk.StepIOFactory(cfg, inputs={"y": pk.TensorSpec((1,), "int32")})
+        runs = list(io.batches([{"y": np.int32(i)} for i in range(35)]))
+        assert len(runs) == 2
+        shards.append(runs[0]["y"])
+    whole = np.arange(16).reshape(2, 2, 4, 1)
+    assert np.array_equal(np.concatenate(shards, axis=2), whole)
+
+
+def test_batches_refuse_what_samples_cannot_feed():
+    io = pk.StepIOFactory(config(), inputs={"s": pk.TensorSpec((2,), broadcast=True),
+                                            "t": pk.TensorSpec(())})
+    with pytest.raises(ValidationError) as info:
+        io.batches([])
+    assert {loc for loc, _ in errors(info)} == {"inputs.s", "inputs.t"}
+    io = pk.StepIOFactory(config(bps=1, acc=1, local=1), inputs={"x": pk.TensorSpec((2, 3))})
+    with pytest.raises(ValueError, match=r"samples of shape \(4,\), expected \(3,\)"):
+        next(io.batches([np.zeros(4)] * 2))
