@@ -325,9 +325,14 @@ class StepIOFactory:
         names = [k for k, _ in self._input_factors(spec)]
         return names.index("replication_factor") if "replication_factor" in names else None
 
-    def shard(self, global_arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def shard(self, global_arrays: Mapping[str, np.ndarray],
+              out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """This instance's C-contiguous share of inputs laid out for all G global replicas
-        (``[bps, A, G, *S]``): replicas global_offset .. global_offset + R - 1."""
+        (``[bps, A, G, *S]``): replicas global_offset .. global_offset + R - 1.
+
+        A share is copied into fresh memory, or into ``out`` (this instance's arrays, e.g. from
+        allocate_inputs) to reuse buffers run after run; a share that is already contiguous is
+        returned as a view when no ``out`` is given."""
         rep = self.config.replication
         total = rep.global_replicas
         problems = _name_problems("inputs", global_arrays, self.inputs)
@@ -336,20 +341,29 @@ class StepIOFactory:
                 spec = self.inputs[name]
                 problems += _array_problems("inputs", name, array, spec,
                                             self._input_factors(spec, total))
+        if out is not None:
+            problems += _name_problems("out", out, {n: s for n, s in self.inputs.items()
+                                                    if n in global_arrays})
+            problems += [p for name, array in out.items() if name in self.inputs
+                         for p in _array_problems("out", name, array, self.inputs[name],
+                                                  self._input_factors(self.inputs[name]),
+                                                  writable=True, exact_dtype=True)]
         raise_errors("StepIOFactory.shard", problems)
-        out = {}
+        shares = {}
         for name, array in global_arrays.items():
             spec = self.inputs[name]
-            global_names = [k for k, _ in self._input_factors(spec, total)]
-            if spec.broadcast or total == rep.local_factor:
-                out[name] = array
-                continue
-            axis = global_names.index("replication_factor")
-            index: Any = (slice(rep.global_offset, rep.global_offset + rep.local_factor)
-                          if rep.local_factor > 1 else rep.global_offset)
-            share = array[(slice(None),) * axis + (index, Ellipsis)]  # Ellipsis keeps 0-d arrays
-            out[name] = share if share.flags.c_contiguous else share.copy(order="C")
-        return out
+            share = array
+            if not (spec.broadcast or total == rep.local_factor):
+                axis = [k for k, _ in self._input_factors(spec, total)].index("replication_factor")
+                index: Any = (slice(rep.global_offset, rep.global_offset + rep.local_factor)
+                              if rep.local_factor > 1 else rep.global_offset)
+                share = array[(slice(None),) * axis + (index, Ellipsis)]  # Ellipsis: 0-d stays
+            if out is not None:
+                np.copyto(out[name], share)
+                shares[name] = out[name]
+            else:
+                shares[name] = share if share.flags.c_contiguous else share.copy(order="C")
+        return shares
 
     def replica(self, arrays: Mapping[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
         """Views of what local replica ``r`` receives at each (batch, accumulation step)."""

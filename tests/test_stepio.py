@@ -43,7 +43,7 @@ def layouts(draw):
     return bps, acc, local, instances, spec
 
 
-# -- specs and construction -----------------------------------------------------------------------
+# -- specs and construction ---------------------------------------------------------------------
 
 
 def test_tensor_spec_takes_numpy_and_popart_dtype_names():
@@ -99,7 +99,7 @@ def test_shapes_and_allocation():
         io.allocate_inputs("ones")
 
 
-# -- from_samples -----------------------------------------------------------------------------------
+# -- from_samples ---------------------------------------------------------------------
 
 
 @settings(max_examples=120, deadline=None)
@@ -137,7 +137,7 @@ def test_from_samples_never_copies_a_strided_array():
         io.from_samples({"x": strided})
 
 
-# -- check_inputs -------------------------------------------------------------------------------
+# -- check_inputs ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("given_shape, why", [
@@ -186,7 +186,7 @@ def test_check_anchors_needs_writable_arrays():
         io.check_anchors({"y": frozen})
 
 
-# -- shard and replica -------------------------------------------------------------------------------
+# -- shard and replica ---------------------------------------------------------------------
 
 
 @settings(max_examples=120, deadline=None)
@@ -222,6 +222,16 @@ def test_shards_of_every_instance_give_back_the_global_arrays(layout):
                               one.replica({"x": glob}, g)["x"])
 
 
+def test_shard_into_reused_buffers():
+    io = factory(config(bps=2, acc=1, local=2, global_factor=4, offset=2), x=pk.TensorSpec((3,)))
+    glob = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+    out = io.allocate_inputs()
+    got = io.shard({"x": glob}, out=out)
+    assert got["x"] is out["x"] and np.array_equal(out["x"], glob[:, 2:4])
+    with pytest.raises(ValidationError, match="out 'x' has dtype float64"):
+        io.shard({"x": glob}, out={"x": np.zeros((2, 2, 3))})
+
+
 def test_shard_refuses_local_shaped_arrays():
     io = factory(config(bps=2, acc=1, local=2, global_factor=8, offset=2),
                  x=pk.TensorSpec((3,)))
@@ -253,7 +263,7 @@ def test_broadcast_inputs_are_the_same_for_every_replica():
     assert io.replica({"s": s}, 0)["s"] is s and io.replica({"s": s}, 1)["s"] is s
 
 
-# -- batches -------------------------------------------------------------------------------------
+# -- batches ---------------------------------------------------------------------
 
 
 def _dataset(n: int, width: int = 3):
