@@ -79,8 +79,8 @@ def _spec(value: Any) -> TensorSpec:
 def _problem(kind: str, name: str, message: str, fix: str, rule: str,
              **involved: Any) -> Problem:
     """A problem with input or anchor ``name``; the message is completed with that name."""
-    return Problem(f"{kind}.{name}", f"{kind[:-1]} {name!r} {message}", fix, rule,
-                   involved=involved)
+    noun = {"inputs": "input", "anchors": "anchor", "out": "out"}[kind]
+    return Problem(f"{kind}.{name}", f"{noun} {name!r} {message}", fix, rule, involved=involved)
 
 
 _AXIS_NAMES = {"batches_per_step": "bps", "accumulation_factor": "A", "replication_factor": "R"}
@@ -151,7 +151,7 @@ def _array_problems(kind: str, name: str, array: Any, spec: TensorSpec,
 
 def _name_problems(kind: str, given: Iterable[str], known: Mapping[str, Any]) -> list[Problem]:
     given = list(given)
-    out = [_problem(kind, n, "is missing.", f"provide every {kind[:-1]}: {', '.join(known)}.",
+    out = [_problem(kind, n, "is missing.", f"provide every one of {', '.join(known)}.",
                     "K-stepio-missing") for n in known if n not in given]
     out += [_problem(kind, n, f"is not one of this session's {kind} ({', '.join(known)}).",
                      "remove it, or declare it when building the StepIOFactory.",
