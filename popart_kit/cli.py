@@ -22,6 +22,11 @@ def _loc(error: dict) -> str:
     return ".".join(str(part) for part in error["loc"]) or "(config)"
 
 
+def _problems(err: Console, title: str, rows: list[tuple[str, str]]) -> None:
+    # soft_wrap: one problem per line, whole, whatever the terminal width
+    err.print(problems_view(title, rows), soft_wrap=True)
+
+
 def _load(path: str, err: Console) -> SessionConfig | None:
     """The config at ``path``, or None after printing every problem it has."""
     try:
@@ -29,9 +34,9 @@ def _load(path: str, err: Console) -> SessionConfig | None:
             warnings.simplefilter("ignore", PopartKitWarning)  # shown in the plan instead
             return SessionConfig.from_file(path)
     except ValidationError as exc:
-        err.print(problems_view(path, [(_loc(e), e["msg"]) for e in exc.errors()]))
+        _problems(err, path, [(_loc(e), e["msg"]) for e in exc.errors()])
     except (ValueError, OSError) as exc:
-        err.print(problems_view(path, [("(file)", str(exc))]))
+        _problems(err, path, [("(file)", str(exc))])
     return None
 
 
@@ -43,9 +48,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.instance is not None:
         rep = cfg.replication
         if not 0 <= args.instance < rep.instances:
-            err.print(problems_view(args.config, [(
+            _problems(err, args.config, [(
                 "--instance", f"instance {args.instance} does not exist: the config describes "
-                              f"{rep.instances} instance(s), 0..{rep.instances - 1}.")]))
+                              f"{rep.instances} instance(s), 0..{rep.instances - 1}.")])
             return 1
         cfg = cfg.updated(replication=rep.model_copy(
             update={"global_offset": args.instance * rep.local_factor}))
