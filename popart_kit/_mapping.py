@@ -137,16 +137,22 @@ def from_session_options(cls: type[SessionConfig], opts: Any,
     if matmul_partials and conv_partials and matmul_partials != conv_partials:
         problems.append(f"partialsTypeMatMuls={matmul_partials!r} differs from convolutionOptions"
                         f"['partialsType']={conv_partials!r}; precision.partials_type sets both")
-    if problems:
-        raise ValueError("from_session_options: " + "; ".join(problems)
-                         + ". Fix: make the options consistent first.")
-
     local = get("replicatedGraphCount") if get("enableReplicatedGraphs") else 1
     distributed = get("enableDistributedReplicatedGraphs")
     engine = dict(get("engineOptions"))
     report_all = engine.pop(_AUTO_REPORT_ALL, "false").lower() == "true"
     report_dir = engine.pop(_AUTO_REPORT_DIR, "." if report_all else None)
+    if report_dir is not None and not report_all:
+        problems.append(f"engineOptions sets autoReport.directory={report_dir!r} without "
+                        f"autoReport.all='true'; profiling.auto_report_dir sets both")
     accumulation = get("accumulationFactor") if get("enableGradientAccumulation") else 1
+    if get("accumulationAndReplicationReductionType") not in _names.REDUCTION.values():
+        problems.append(f"accumulationAndReplicationReductionType="
+                        f"{get('accumulationAndReplicationReductionType')!r} leaves gradients "
+                        f"unreduced; popart_kit supports Sum and Mean (as PopTorch does)")
+    if problems:
+        raise ValueError("from_session_options: " + "; ".join(problems)
+                         + ". Fix: make the options consistent first.")
     data: dict[str, Any] = {
         "virtual_graph_mode": _names.kit_name(_names.VIRTUAL_GRAPH_MODE, get("virtualGraphMode")),
         "pipeline": {"enabled": get("enablePipelining"),

@@ -53,8 +53,10 @@ class Problem:
         return f"{self.loc}: {self.text()} [{self.rule}]"
 
 
-def raise_errors(title: str, problems: Iterable[Problem]) -> None:
-    """Raise one ValidationError listing every error in ``problems`` (none: do nothing)."""
+def raise_errors(title: str, problems: Iterable[Problem],
+                 also: ValidationError | None = None) -> None:
+    """Raise one ValidationError listing every error in ``problems`` after those of ``also``
+    (an error pydantic raised); with no error in ``problems``, do nothing."""
     details = [
         InitErrorDetails(
             type=PydanticCustomError("popart_kit." + p.rule, "{text}", {"text": p.text()}),
@@ -64,6 +66,11 @@ def raise_errors(title: str, problems: Iterable[Problem]) -> None:
         for p in problems
         if p.severity == "error"
     ]
+    if details and also is not None:
+        details = [InitErrorDetails(type=PydanticCustomError(e["type"], "{text}",
+                                                             {"text": e["msg"]}),
+                                    loc=e["loc"], input=e.get("input"))
+                   for e in also.errors()] + details
     if details:
         raise ValidationError.from_exception_data(title, details)
 

@@ -7,6 +7,7 @@ shared/reference/popart-session-options.md §2; ``K-...`` rules are popart_kit's
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Iterator
@@ -58,6 +59,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+@_rule
+def _replication(cfg: SessionConfig) -> Iterator[Problem]:
+    for p in cfg.replication.problems():
+        yield dataclasses.replace(p, loc=f"replication.{p.loc}")
+
+
 # -- virtual graphs and pipelining --------------------------------------------------------------
 
 
@@ -73,7 +80,7 @@ def _pipelining_needs_virtual_graphs(cfg: SessionConfig) -> Iterator[Problem]:
             "set ipus_per_replica to the number of IPUs the stages run on (>= 2), "
             "or pipeline.enabled=false.", "V1",
             ipus_per_replica=cfg.ipus_per_replica, pipeline__enabled=True)
-    if cfg.virtual_graph_mode == "off":
+    if cfg.virtual_graph_mode == "off" and cfg.ipus_per_replica >= 2:
         yield _error(
             "virtual_graph_mode",
             "pipelining needs virtual graphs, got virtual_graph_mode='off'.",
@@ -265,14 +272,41 @@ def _ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
                 f"the device evenly over replicas, and {request} is not divisible by {local}.",
                 "use a power-of-two local_factor, or an IPU count that needs no rounding.",
                 "V22", **involved)
-    if request > MAX_IPUS_PER_INSTANCE:
+    if ipus > MAX_IPUS_PER_INSTANCE:
+        yield _error(
+            "ipus_per_replica",
+            f"one replica needs ipus_per_replica={ipus} IPUs; one PopART instance drives at most "
+            f"{MAX_IPUS_PER_INSTANCE}.", f"split the model over {MAX_IPUS_PER_INSTANCE} or fewer "
+            f"IPUs per replica.", "K-max-ipus", ipus_per_replica=ipus)
+    elif request > MAX_IPUS_PER_INSTANCE:
+        total = cfg.replication.global_replicas
+        fits = [d for d in range(1, total + 1) if total % d == 0 and _instance_ipus(
+            cfg, d * ipus) <= MAX_IPUS_PER_INSTANCE]
+        rounded = f", {request} after rounding to a power of two" if request != need else ""
         yield _error(
             loc,
-            f"this instance would use {request} IPUs (local_factor={local} × ipus_per_replica="
-            f"{ipus}); one PopART instance drives at most {MAX_IPUS_PER_INSTANCE}.",
-            "spread the replicas over instances with global replication, e.g. local_factor="
-            f"{max(1, MAX_IPUS_PER_INSTANCE // ipus)} and global_factor={local} (launched with "
-            f"poprun).", "K-max-ipus", **involved)
+            f"this instance needs local_factor={local} × ipus_per_replica={ipus} = {need} IPUs"
+            f"{rounded}; one PopART instance drives at most {MAX_IPUS_PER_INSTANCE}.",
+            f"spread the {total} replicas over instances: local_factor={fits[-1]} with "
+            f"global_factor={total} is {total // fits[-1]} instances (launched with poprun)."
+            if fits else "use fewer IPUs per replica.", "K-max-ipus", **involved)
+
+
+def _instance_ipus(cfg: SessionConfig, need: int) -> int:
+    """IPUs an instance that needs ``need`` would request, or a huge number if it cannot."""
+    if cfg.device.target != "ipu" or is_power_of_two(need):
+        return need
+    return next_power_of_two(need) if cfg.device.round_to_power_of_two else 1 << 62
+
+
+@_rule
+def _rounding_needs_hardware(cfg: SessionConfig) -> Iterator[Problem]:
+    if cfg.device.round_to_power_of_two and cfg.device.target != "ipu":
+        yield _warning(
+            "device.round_to_power_of_two",
+            f"round_to_power_of_two only applies to IPU hardware; target={cfg.device.target!r} "
+            f"gets exactly the IPUs it needs.", "remove it, or use target='ipu'.",
+            "K-rounding-target", device__target=cfg.device.target)
 
 
 # -- popart_options -----------------------------------------------------------------------------
@@ -307,6 +341,8 @@ ELSEWHERE: dict[str, str] = {
     "numIpus": "ipus_per_replica and replication.local_factor (device request)",
     "tilesPerIpu": "device.tiles_per_ipu", "tilesPerIPU": "device.tiles_per_ipu",
     "syncPattern": "device.sync_pattern", "connectionType": "device.connection",
+    "enableExplicitIR": "useHostCopyOps, enableExplicitMainLoops and explicitRecomputation "
+                        "(what the enableExplicitIR method sets)",
 }
 VALID_GCL_OPTIONS = ("useSynclessCollectives", "maxBytesPerTile")
 
@@ -380,7 +416,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
     if main_loops and not host_copy:
         yield _error(_option_loc("enableExplicitMainLoops"),
                      "enableExplicitMainLoops requires useHostCopyOps.",
-                     "set useHostCopyOps=true too (or call enableExplicitIR).", "V12",
+                     "set useHostCopyOps=true too.", "V12",
                      enableExplicitMainLoops=True, useHostCopyOps=host_copy)
     if explicit_pipelining and not explicit_recompute:
         yield _error(_option_loc("explicitRecomputation"),
@@ -406,8 +442,8 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
                      "remove it (it is deprecated), or enable pipelining and accumulation.", "V44",
                      pipeline__enabled=cfg.pipeline.enabled, accumulation__factor=acc)
 
-    ratios = cfg.popart_options.get("virtualGraphSplitRatios")
-    if vgm == "auto" and isinstance(ratios, list) and ratios:
+    ratios = o("virtualGraphSplitRatios")
+    if vgm == "auto" and ratios:
         bad = [r for r in ratios if not 0 < r < 1]
         if len(ratios) != ipus:
             yield _error(_option_loc("virtualGraphSplitRatios"),
@@ -433,7 +469,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
                          f"'execution_phases', got {vgm!r}.",
                          "set virtual_graph_mode='execution_phases', or phases to 0.", "V29",
                          virtual_graph_mode=vgm, executionPhaseSettings__phases=phases)
-        elif vgm == "execution_phases" and phases < 2:
+        elif phases == 1 or (vgm == "execution_phases" and phases < 2):
             yield _warning(_option_loc("executionPhaseSettings", "phases"),
                            f"virtual_graph_mode='execution_phases' with phases={phases}: PopART "
                            f"disables phased execution below 2 phases.",
@@ -473,24 +509,13 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
                      f"opxModifyChecking cannot run with replicated graphs (local_factor="
                      f"{cfg.replication.local_factor}).", "set opxModifyChecking=false.", "V42")
 
-    depth = o("defaultBufferingDepth")
-    if isinstance(depth, int):
-        if depth < 1:
-            yield _error(_option_loc("defaultBufferingDepth"),
-                         f"defaultBufferingDepth={depth}: a stream needs a buffer.",
-                         "use 1 or more.", "V43")
-        elif depth > 1 and o("rearrangeStreamsOnHost"):
-            yield _error(_option_loc("defaultBufferingDepth"),
-                         f"defaultBufferingDepth={depth} with rearrangeStreamsOnHost: host-"
-                         f"rearranged streams support a buffering depth of 1 only.",
-                         "set rearrangeStreamsOnHost=false, or depth 1.", "V43")
-    depths = cfg.popart_options.get("bufferingDepthMap")
-    if isinstance(depths, dict):
-        for tensor, d in depths.items():
-            if isinstance(d, int) and d < 1:
-                yield _error(_option_loc("bufferingDepthMap", tensor),
-                             f"bufferingDepthMap[{tensor!r}]={d}: a stream needs a buffer.",
-                             "use 1 or more.", "V43")
+    rearranged = o("rearrangeStreamsOnHost")
+    for name in ("defaultBufferingDepth", "defaultPrefetchBufferingDepth"):
+        yield from _buffering_depth(_option_loc(name), name, o(name), rearranged)
+    for name in ("bufferingDepthMap", "prefetchBufferingDepthMap"):
+        for tensor, d in (o(name) or {}).items():
+            yield from _buffering_depth(_option_loc(name, tensor), f"{name}[{tensor!r}]", d,
+                                        rearranged)
 
     if _struct_field(cfg, "automaticLossScalingSettings", "enabled") and acc > 1:
         period = _struct_field(cfg, "automaticLossScalingSettings", "updatePeriod")
@@ -501,8 +526,28 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
                          f"use a factor or multiple of {acc}.", "V48",
                          updatePeriod=period, accumulation__factor=acc)
 
+    conv_partials = (o("matmulOptions") or {}).get("partialsType")
+    if conv_partials and cfg.precision.partials_type and (
+            conv_partials.lower() != cfg.precision.partials_type):
+        yield _error(_option_loc("matmulOptions", "partialsType"),
+                     f"matmulOptions['partialsType']={conv_partials!r} contradicts "
+                     f"precision.partials_type={cfg.precision.partials_type!r}.",
+                     "keep one of them.", "K-partials-conflict")
+
     if o("enableEngineCaching") and cfg.device.target not in ("ipu", "offline"):
         yield _warning(_option_loc("enableEngineCaching"),
                        f"engine caching only applies to IPU hardware and offline targets, got "
                        f"target={cfg.device.target!r}.", "remove enableEngineCaching.",
                        "K-caching-target")
+
+
+def _buffering_depth(loc: str, what: str, depth: Any, rearranged: bool) -> Iterator[Problem]:
+    if not isinstance(depth, int):
+        return
+    if depth < 1:
+        yield _error(loc, f"{what}={depth}: a stream needs at least one buffer.",
+                     "use 1 or more.", "V43")
+    elif depth > 1 and rearranged:
+        yield _error(loc, f"{what}={depth} with rearrangeStreamsOnHost: host-rearranged streams "
+                          f"support a buffering depth of 1 only.",
+                     "set rearrangeStreamsOnHost=false, or a depth of 1.", "V43")

@@ -30,9 +30,7 @@ def _problems(err: Console, title: str, rows: list[tuple[str, str]]) -> None:
 def _load(path: str, err: Console) -> SessionConfig | None:
     """The config at ``path``, or None after printing every problem it has."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PopartKitWarning)  # shown in the plan instead
-            return SessionConfig.from_file(path)
+        return SessionConfig.from_file(path)
     except ValidationError as exc:
         _problems(err, path, [(_loc(e), e["msg"]) for e in exc.errors()])
     except (ValueError, OSError) as exc:
@@ -41,6 +39,12 @@ def _load(path: str, err: Console) -> SessionConfig | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PopartKitWarning)  # the plan lists them
+        return _show_plan(args)
+
+
+def _show_plan(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     cfg = _load(args.config, err)
     if cfg is None:

@@ -7,13 +7,24 @@ its numbers and its fix; nothing is compiled or acquired before that.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
-from pydantic import NonNegativeInt, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 from . import _names
 from . import _popart_catalog as catalog
@@ -35,6 +46,11 @@ __all__ = [
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+# True while a SessionConfig validates its sections: a section's own rules are then reported by
+# the config together with every other rule, instead of hiding them.
+_INSIDE_SESSION_CONFIG: ContextVar[bool] = ContextVar("inside_session_config", default=False)
 
 
 def _some(values: list[int], limit: int = 6) -> str:
@@ -67,10 +83,12 @@ class Replication(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Replication:
-        raise_errors("Replication", self._problems())
+        if not _INSIDE_SESSION_CONFIG.get():
+            raise_errors("Replication", self.problems())
         return self
 
-    def _problems(self) -> list[Problem]:
+    def problems(self) -> list[Problem]:
+        """Violations of the replication rules (locations relative to this section)."""
         local, glob, offset = self.local_factor, self.global_factor, self.global_offset
         involved = {"replication.local_factor": local, "replication.global_factor": glob,
                     "replication.global_offset": offset}
@@ -210,7 +228,8 @@ def _format_of(path: Path) -> str:
 class SessionConfig(BaseModel):
     """A whole PopART session: mode, batching, topology, device and extra PopART options."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True,
+                              json_schema_extra=lambda schema: _document_aliases(schema))
 
     mode: Literal["training", "inference"]
     batches_per_step: PositiveInt = Field(
@@ -218,7 +237,7 @@ class SessionConfig(BaseModel):
     micro_batch_size: PositiveInt | None = Field(
         None, description="Samples per micro-batch, for batch arithmetic.")
     ipus_per_replica: PositiveInt = 1
-    virtual_graph_mode: _names.choice(_names.VIRTUAL_GRAPH_MODE) = Field(
+    virtual_graph_mode: _names.choice(_names.VIRTUAL_GRAPH_MODE) | None = Field(
         None, description="None (default): manual when ipus_per_replica > 1, else off.",
         validate_default=True)
     replication: Replication = Replication()
@@ -256,6 +275,25 @@ class SessionConfig(BaseModel):
             if isinstance(ipus, int):
                 data["virtual_graph_mode"] = _default_vgm(ipus)
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _sections_report_here(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        token = _INSIDE_SESSION_CONFIG.set(True)
+        try:
+            return handler(data)
+        except ValidationError as err:
+            # Other fields failed, so the config's rules did not run; the replication rules
+            # need only their own section, so report them as well.
+            section = data.get("replication") if isinstance(data, Mapping) else None
+            if section is None or any(e["loc"][:1] == ("replication",) for e in err.errors()):
+                raise
+            rep = Replication.model_validate(section)  # fields are valid; rules do not raise
+            extra = [dataclasses.replace(p, loc=f"replication.{p.loc}") for p in rep.problems()]
+            raise_errors("SessionConfig", extra, also=err)
+            raise
+        finally:
+            _INSIDE_SESSION_CONFIG.reset(token)
 
     @model_validator(mode="after")
     def _check(self) -> SessionConfig:
@@ -355,16 +393,19 @@ class SessionConfig(BaseModel):
         path = Path(path)
         fmt = _format_of(path)
         text = path.read_text(encoding="utf-8")
-        if fmt == "toml":
-            import tomllib
+        try:
+            if fmt == "toml":
+                import tomllib
 
-            data = tomllib.loads(text)
-        elif fmt == "yaml":
-            import yaml
+                data = tomllib.loads(text)
+            elif fmt == "yaml":
+                import yaml
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as err:  # each parser has its own error type
+            raise ValueError(f"{path}: not valid {fmt.upper()}: {err}") from err
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a table of settings at the top level, "
                              f"found {type(data).__name__}.")
@@ -387,6 +428,13 @@ class SessionConfig(BaseModel):
             text = json.dumps(data, indent=2) + "\n"
         path.write_text(text, encoding="utf-8")
         return path
+
+
+def _document_aliases(schema: dict[str, Any]) -> None:
+    """Accepted spellings the model normalises before validation, so the schema allows them."""
+    schema["properties"]["device_iterations"] = {
+        **schema["properties"]["batches_per_step"],
+        "description": "Alias of batches_per_step (PopTorch's and Lightning's name)."}
 
 
 def _canonical_option(name: str, value: Any) -> Any:

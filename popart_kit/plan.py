@@ -172,11 +172,11 @@ class Plan:
                         shm_size: str = "10Gi") -> dict[str, Any]:
         """A Graphcore IPUJob resource for Kubernetes that runs ``command`` on this topology.
 
-        With several instances the command runs under poprun inside the one worker, as in
-        Graphcore's POD64 example; the job asks for the IPUs of all instances.
+        A replicated job runs under poprun inside the one worker, as in Graphcore's POD64
+        example (seed 004); the job asks for the IPUs of all instances.
         """
         program = command if isinstance(command, str) else shlex.join(command)
-        if self.instances > 1:
+        if self.global_replicas > 1:
             poprun = shlex.join(self.poprun_command([], allow_run_as_root=True))
             root = "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1"
             program = f"{root} {poprun} {program}"

@@ -66,8 +66,8 @@ class PopdistEnv:
                             f"replicas on every instance")
         if problems:
             raise ValueError("poprun environment: " + "; ".join(problems)
-                             + ". Fix: launch with poprun, whose --num-replicas must be a "
-                               "multiple of --num-instances.")
+                             + ". Fix: start the program with poprun (or popart-kit launch), "
+                               "which sets all of them consistently.")
         found = cls(values[TOTAL], values[LOCAL], values[OFFSET], values[IPUS],
                     values.get(LOCAL_INSTANCE, 0))
         found.replication()  # consistency of the three replica numbers

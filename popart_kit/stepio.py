@@ -416,27 +416,27 @@ class StepIOFactory:
         copies raw bytes, so dtypes must match exactly)."""
         self.check_inputs(inputs, exact_dtype=True)
         self.check_anchors(anchors)
-        feeds = {name: self._micro_batches(array, self.inputs[name].shape,
-                                           self._input_factors(self.inputs[name]))
+        feeds = {name: _blocks(array, self.inputs[name].shape,
+                               self._input_factors(self.inputs[name]))
                  for name, array in inputs.items()}
-        slots = {name: self._micro_batches(array, self.anchors[name][0].shape,
-                                           self._anchor_factors(self.anchors[name][1]))
+        slots = {name: _blocks(array, self.anchors[name][0].shape,
+                               self._anchor_factors(self.anchors[name][1]))
                  for name, array in anchors.items()}
         return CallbackFeeder(feeds, slots)
 
-    @staticmethod
-    def _micro_batches(array: np.ndarray, shape: tuple[int, ...],
-                       factors: Sequence[tuple[str, int]]) -> list[np.ndarray]:
-        """Views of each (micro-batch, replica) block in PopART's order; scalars as (1,)."""
-        blocks = array.reshape((-1,) + shape)
-        if not shape:
-            blocks = blocks.reshape(-1, 1)
-        return list(blocks)
+
+def _blocks(array: np.ndarray, shape: tuple[int, ...],
+            factors: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+    """Views of each (micro-batch, replica) block in PopART's order; scalars as shape (1,),
+    because PopART reads a 0-d array from a callback as "no data"."""
+    count = math.prod(v for _, v in factors)
+    return list(array.reshape((count,) + (shape or (1,))))
 
 
 class CallbackFeeder:
     """PopART's callback protocol over host arrays: inputs are handed out micro-batch-major,
-    replica-minor, one C-contiguous view per call; anchors are written into views likewise."""
+    replica-minor, one C-contiguous view per call; anchors are written into views likewise.
+    Like PyStepIO it wraps around at the end, so the same arrays serve run after run."""
 
     def __init__(self, feeds: Mapping[str, list[np.ndarray]],
                  slots: Mapping[str, list[np.ndarray]]) -> None:
@@ -454,13 +454,7 @@ class CallbackFeeder:
 
     def input(self, name: str, prefetch: bool) -> np.ndarray | None:
         blocks = self._lookup(self._feeds, name, "input")
-        i = self._next_in[name]
-        if i >= len(blocks):
-            if prefetch:
-                return None  # "no data yet": allowed while prefetching
-            raise RuntimeError(f"input {name!r}: all {len(blocks)} micro-batches of this run "
-                               f"were consumed; PopART asked for one more.")
-        return blocks[i]
+        return blocks[self._next_in[name] % len(blocks)]
 
     def input_complete(self, name: str) -> None:
         self._lookup(self._feeds, name, "input")
@@ -468,11 +462,7 @@ class CallbackFeeder:
 
     def output(self, name: str) -> np.ndarray:
         slots = self._lookup(self._slots, name, "anchor")
-        i = self._next_out[name]
-        if i >= len(slots):
-            raise RuntimeError(f"anchor {name!r}: all {len(slots)} slots of this run were "
-                               f"written; PopART returned one more.")
-        return slots[i]
+        return slots[self._next_out[name] % len(slots)]
 
     def output_complete(self, name: str) -> None:
         self._lookup(self._slots, name, "anchor")
@@ -480,9 +470,10 @@ class CallbackFeeder:
 
     @property
     def remaining(self) -> dict[str, int]:
-        """Blocks not yet consumed (inputs) or written (anchors): all 0 after a whole run."""
-        return ({n: len(b) - self._next_in[n] for n, b in self._feeds.items()}
-                | {n: len(s) - self._next_out[n] for n, s in self._slots.items()})
+        """Blocks of the current run not yet consumed (inputs) or written (anchors); after
+        whole runs every count is back to its full size."""
+        return ({n: len(b) - self._next_in[n] % len(b) for n, b in self._feeds.items()}
+                | {n: len(s) - self._next_out[n] % len(s) for n, s in self._slots.items()})
 
 
 class RunBatches(Iterator[dict[str, np.ndarray]]):

@@ -16,10 +16,13 @@ CONFIGS = Path(__file__).parent.parent / "examples" / "configs"
 
 def test_plan_renders_tables(capsys):
     assert main(["plan", str(CONFIGS / "bert_pod16.toml")]) == 0
-    out = capsys.readouterr().out
-    assert "training session on target 'ipu'" in out
-    assert "IPUs this instance uses" in out and "16" in out
-    assert "depth (stages PopART runs)" in out and "7" in out
+    rows = {" ".join(line.split()[:-1]): line.split()[-1]
+            for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["training session on target"] == "'ipu'"
+    assert rows["IPUs this instance uses"] == "16"
+    assert rows["micro-batches per run (per input)"] == "3,072"
+    assert rows["depth (stages PopART runs)"] == "7"
+    assert rows["bubble"] == "3.0%"
 
 
 def test_plan_json(capsys):
@@ -53,6 +56,18 @@ def test_plan_lists_every_problem(tmp_path, capsys):
     for loc in ("accumulation.factor", "batches_per_step", "popart_options.enableOutlinning"):
         assert loc in err
     assert "did you mean 'enableOutlining'" in err
+
+
+def test_plan_of_another_instance_prints_no_raw_warning(capsys):
+    assert main(["plan", str(CONFIGS / "bert_pod16.toml"), "--instance", "0"]) == 0
+    assert "PopartKitWarning" not in capsys.readouterr().err
+
+
+def test_plan_reports_a_malformed_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: [training\n")
+    assert main(["plan", str(bad)]) == 1
+    assert "not valid YAML" in capsys.readouterr().err
 
 
 def test_plan_reports_an_unreadable_file(tmp_path, capsys):

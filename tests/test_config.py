@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import json
 import tempfile
+import tomllib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -247,6 +250,23 @@ CASES: list[tuple[str, dict[str, Any], str, str, dict[str, Any]]] = [
     ("buffering depth zero", {"popart_options": {"defaultBufferingDepth": 0}},
      "popart_options.defaultBufferingDepth", "V43",
      {"popart_options": {"defaultBufferingDepth": 2}}),
+    ("buffering depth zero under the deprecated name",
+     {"popart_options": {"defaultPrefetchBufferingDepth": 0}},
+     "popart_options.defaultPrefetchBufferingDepth", "V43",
+     {"popart_options": {"defaultPrefetchBufferingDepth": 1}}),
+    ("deep buffers for one host-rearranged stream",
+     {"popart_options": {"bufferingDepthMap": {"x": 3}, "rearrangeStreamsOnHost": True}},
+     "popart_options.bufferingDepthMap.x", "V43",
+     {"popart_options": {"bufferingDepthMap": {"x": 3}}}),
+    ("matmul partials that contradict precision",
+     {"precision": {"partials_type": "half"},
+      "popart_options": {"matmulOptions": {"partialsType": "float"}}},
+     "popart_options.matmulOptions.partialsType", "K-partials-conflict",
+     {"precision": {"partials_type": "half"},
+      "popart_options": {"matmulOptions": {"partialsType": "half"}}}),
+    ("the enableExplicitIR method in popart_options",
+     {"popart_options": {"enableExplicitIR": True}}, "popart_options.enableExplicitIR",
+     "K-option-elsewhere", {"popart_options": {"useHostCopyOps": True}}),
     ("deep buffers on host-rearranged streams",
      {"popart_options": {"defaultBufferingDepth": 2, "rearrangeStreamsOnHost": True}},
      "popart_options.defaultBufferingDepth", "V43",
@@ -291,6 +311,54 @@ def test_every_section_problem_is_reported_at_once():
                                 "accumulation.reduction"}
 
 
+def test_section_and_config_problems_are_reported_together():
+    with pytest.raises(ValidationError) as info:
+        make(replication={"local_factor": 2, "global_factor": 3}, pipeline={"enabled": True})
+    assert locs(info.value) == {"replication.global_factor", "ipus_per_replica"}
+
+
+def test_section_problems_are_reported_with_other_field_errors():
+    with pytest.raises(ValidationError) as info:
+        make(batches_per_step=0, replication={"local_factor": 2, "global_offset": 2})
+    assert locs(info.value) == {"batches_per_step", "replication.global_offset"}
+
+
+def test_a_standalone_section_checks_its_own_rules():
+    with pytest.raises(ValidationError) as info:
+        pk.Replication(local_factor=2, global_factor=3)
+    assert locs(info.value) == {"global_factor"}
+
+
+def test_wrongly_typed_options_do_not_crash_the_rules():
+    with pytest.raises(ValidationError) as info:
+        make(ipus_per_replica=2, virtual_graph_mode="auto",
+             popart_options={"virtualGraphSplitRatios": ["a", "b"], "numIOTiles": "32",
+                             "executionPhaseSettings": {"phases": "4"}})
+    assert rules(info.value) == {"K-option-type"}
+
+
+@pytest.mark.parametrize("kw, fix", [
+    ({"ipus_per_replica": 128}, "split the model over 64 or fewer IPUs per replica"),
+    ({"ipus_per_replica": 4, "replication": {"local_factor": 24},
+      "device": {"round_to_power_of_two": True}},
+     "local_factor=12 with global_factor=24 is 2 instances"),
+    ({"ipus_per_replica": 4, "replication": {"local_factor": 32, "global_factor": 64}},
+     "local_factor=16 with global_factor=64 is 4 instances"),
+])
+def test_too_many_ipus_suggests_a_valid_split(kw, fix):
+    with pytest.raises(ValidationError) as info:
+        make(**kw)
+    msgs = [e["msg"] for e in info.value.errors() if e["type"] == "popart_kit.K-max-ipus"]
+    assert len(msgs) == 1 and fix in msgs[0], msgs
+
+
+def test_too_many_ipus_states_the_product():
+    with pytest.raises(ValidationError, match="local_factor=24 × ipus_per_replica=4 = 96 IPUs, "
+                                              "128 after rounding"):
+        make(ipus_per_replica=4, replication={"local_factor": 24},
+             device={"round_to_power_of_two": True})
+
+
 def test_messages_state_numbers_and_fix():
     with pytest.raises(ValidationError) as info:
         make(**PIPE4, accumulation={"factor": 6})
@@ -331,6 +399,8 @@ def _warnings_of(**kw: Any) -> list[str]:
     ({"pipeline": {"recomputation": "pipeline"}}, "K-recompute-pipeline"),
     ({"accumulation": {"mean_strategy": "running"}}, "K-mean-strategy"),
     ({"ipus_per_replica": 2, "virtual_graph_mode": "execution_phases"}, "V30"),
+    ({"popart_options": {"executionPhaseSettings": {"phases": 1}}}, "V30"),
+    ({"device": {"target": "ipu_model", "round_to_power_of_two": True}}, "K-rounding-target"),
     ({"popart_options": {"defaultPrefetchBufferingDepth": 1}}, "K-option-deprecated"),
     ({"device": {"target": "cpu"}, "popart_options": {"enableEngineCaching": True}},
      "K-caching-target"),
@@ -465,6 +535,15 @@ def test_from_file_reports_unknown_suffix_and_bad_top_level(tmp_path):
 @pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("examples/configs/*")))
 def test_example_configs_are_valid(path):
     assert pk.SessionConfig.from_file(path).plan()
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("examples/configs/*")))
+def test_example_configs_satisfy_the_published_schema(path):
+    schema = pk.SessionConfig.model_json_schema()
+    raw = {".toml": tomllib.loads, ".yaml": yaml.safe_load}[path.suffix](path.read_text())
+    jsonschema.validate(raw, schema)  # as written, aliases included
+    written = pk.SessionConfig.from_file(path).model_dump(mode="json", exclude_none=True)
+    jsonschema.validate(written, schema)  # as to_file writes it
 
 
 def test_json_schema_lists_sections_and_choices():

@@ -98,6 +98,10 @@ def test_round_trip_through_the_options_dict(data):
     ({"partialsTypeMatMuls": "half", "convolutionOptions": {"partialsType": "float"}},
      "precision.partials_type sets both"),
     ({"enableOutlinning": True}, "not SessionOptions attributes"),
+    ({"engineOptions": {"autoReport.all": "false", "autoReport.directory": "d"}},
+     "autoReport.directory='d' without autoReport.all='true'"),
+    ({"accumulationAndReplicationReductionType": "NoReduction"},
+     "'NoReduction' leaves gradients unreduced"),
 ])
 def test_from_session_options_refuses_inconsistent_options(opts, message):
     with pytest.raises(ValueError, match=message):
@@ -116,6 +120,19 @@ def test_from_session_options_reads_foreign_options():
     assert cfg.popart_options == {"engineOptions": {"debug.instrument": "true"},
                                   "syntheticDataMode": "Zeros"}
     assert cfg.virtual_graph_mode == "auto"
+
+
+@pytest.mark.parametrize("engine, report_dir, rest", [
+    ({"autoReport.all": "true", "autoReport.directory": "out"}, "out", {}),
+    ({"autoReport.all": "true"}, ".", {}),
+    ({"autoReport.all": "false"}, None, {}),
+    ({"autoReport.all": "false", "autoReport.outputGraphProfile": "true"}, None,
+     {"engineOptions": {"autoReport.outputGraphProfile": "true"}}),
+])
+def test_auto_report_options_map_to_profiling(engine, report_dir, rest):
+    cfg = pk.SessionConfig.from_session_options({"engineOptions": engine}, mode="training")
+    assert cfg.profiling.auto_report_dir == report_dir
+    assert cfg.popart_options == rest
 
 
 def test_from_session_options_validates_the_result():

@@ -75,8 +75,23 @@ def test_pod64_poprun_example():
     assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     assert container["volumeMounts"] == [{"mountPath": "/dev/shm", "name": "devshm"}]
     assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "10Gi"}
-    assert container["args"] == ["python3 train.py"]  # one instance: no poprun needed
+    # replicated: poprun starts the instance, as in seed 004's POD64 job
+    assert container["args"] == [
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1 poprun --allow-run-as-root 1 "
+        "--num-instances 1 --num-replicas 16 --ipus-per-replica 4 --print-topology yes "
+        "python3 train.py"]
     assert yaml.safe_load(yaml.safe_dump(job)) == job
+
+
+def test_ipujob_of_one_unreplicated_model_runs_the_command():
+    # seed 004's first job: BERT on 4 IPUs, one replica
+    job = plan(ipus_per_replica=4).ipujob_manifest(image="graphcore/pytorch:3.3.0",
+                                                     command="python3 run_pretraining.py",
+                                                     name="bert-training-multi-ipu")
+    assert job["spec"]["ipusPerJobInstance"] == "4"
+    assert "modelReplicasPerWorker" not in job["spec"]
+    container = job["spec"]["workers"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["python3 run_pretraining.py"]
 
 
 def test_ipujob_of_several_instances_runs_poprun():

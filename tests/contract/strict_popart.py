@@ -21,17 +21,30 @@ in-place edit of ``opts.bufferingDepthMap`` is lost; nested structs are handed b
 
 Every ``setattr`` on a ``SessionOptions`` (and on every struct) is recorded, in order, in
 :func:`set_log`.
+
+``PyStepIO`` and ``PyStepIOCallback`` take exactly the manifest's constructor parameters
+(positionally or by keyword, as pybind11 binds them) and check what pybind11 and PopART's
+constructors check; :func:`stepio_arrays` and :func:`stepio_callbacks` read back what they hold.
+:func:`first_run_check` is PopART's first ``Session.run`` check of a PyStepIO (element counts,
+dtypes), and :func:`simulate_run` drives a PyStepIOCallback as PopART's StepIOSplitter does
+(shared/reference/popart-stepio-builder.md §1.1, §1.5, §3).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["MANIFEST", "BROKEN_OPTIONS", "make_popart_module", "set_log", "to_plain",
-           "check_value", "EnumMember", "DeviceCall"]
+           "check_value", "EnumMember", "DeviceCall", "stepio_arrays", "stepio_callbacks",
+           "first_run_check", "simulate_run", "SimulatedRun"]
 
 MANIFEST: dict[str, Any] = json.loads(
     (Path(__file__).with_name("popart_api.json")).read_text(encoding="utf-8"))
@@ -437,12 +450,277 @@ def _make_device_manager(popart: Any) -> type:
     return type("DeviceManager", (), namespace)
 
 
+# -- PyStepIO / PyStepIOCallback ---------------------------------------------------------------
+
+
+def _bind(cls_name: str, params: list[str], args: tuple, kwargs: dict[str, Any]
+          ) -> dict[str, Any]:
+    """pybind11's argument matching for ``py::arg`` names without defaults."""
+    if len(args) > len(params):
+        raise TypeError(f"{cls_name}(): takes {len(params)} arguments ({len(args)} given); "
+                        f"PopART's parameters are {params}")
+    given = dict(zip(params, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in params:
+            raise TypeError(f"{cls_name}(): unexpected keyword argument {key!r}; "
+                            f"PopART's parameters are {params}")
+        if key in given:
+            raise TypeError(f"{cls_name}(): got multiple values for {key!r}")
+        given[key] = value
+    missing = [p for p in params if p not in given]
+    if missing:
+        raise TypeError(f"{cls_name}(): missing arguments {missing}")
+    return given
+
+
+def _array_map(where: str, value: Any) -> dict[str, np.ndarray]:
+    """pybind11's ``std::map<std::string, py::array>`` caster: a dict of str -> ndarray, copied
+    (the arrays themselves are shared, not copied)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects a "
+                        f"dict of str -> numpy.ndarray")
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: key {k!r} is not a str")
+        if not isinstance(v, np.ndarray):
+            raise TypeError(f"{where}[{k!r}]: incompatible type {type(v).__name__}; PopART "
+                            f"expects a numpy.ndarray")
+    return dict(value)
+
+
+def _contiguity_error(kind: str, name: str) -> RuntimeError:
+    return RuntimeError(f"PyStepIO is unable to use the numpy {kind} array for tensor '{name}' "
+                        f"as it is not c-contiguous (a data conversion here could have a "
+                        f"significant impact on performance and hence is not allowed)")
+
+
+def _make_pystepio(popart: Any) -> type:
+    spec = MANIFEST["classes"]["PyStepIO"]
+    params: list[str] = spec["ctor"][0]
+    assert len(spec["ctor"]) == 1 and len(params) == 2, spec
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = _bind("PyStepIO", params, args, kwargs)
+        inputs = _array_map(f"PyStepIO({params[0]}=)", given[params[0]])
+        outputs = _array_map(f"PyStepIO({params[1]}=)", given[params[1]])
+        for kind, arrays in (("input", inputs), ("output", outputs)):
+            for name, array in arrays.items():
+                if not array.flags.c_contiguous:
+                    raise _contiguity_error(kind, name)
+        object.__setattr__(self, "_inputs", inputs)
+        object.__setattr__(self, "_outputs", outputs)
+        object.__setattr__(self, "_runtime_asserts", True)
+
+    def enableRuntimeAsserts(self, enable: bool) -> None:  # noqa: N802 - PopART's name
+        if not isinstance(enable, bool):
+            raise TypeError("enableRuntimeAsserts(): incompatible argument; PopART expects a bool")
+        object.__setattr__(self, "_runtime_asserts", enable)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"'PyStepIO' object has no attribute {name!r}")
+
+    methods = {"enableRuntimeAsserts": enableRuntimeAsserts}
+    assert set(spec["methods"]) == set(methods), spec["methods"]
+    return type("PyStepIO", (), {
+        "__slots__": ("_inputs", "_outputs", "_runtime_asserts"), "__init__": __init__,
+        "__setattr__": __setattr__, "__module__": "popart", **methods})
+
+
+def _make_pystepio_callback(popart: Any) -> type:
+    spec = MANIFEST["classes"]["PyStepIOCallback"]
+    params: list[str] = spec["ctor"][0]
+    assert len(spec["ctor"]) == 1 and len(params) == 4 and not spec["methods"], spec
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = _bind("PyStepIOCallback", params, args, kwargs)
+        for key in params:
+            if not callable(given[key]):
+                raise TypeError(f"PyStepIOCallback({key}=): incompatible type "
+                                f"{type(given[key]).__name__}; PopART expects a callable")
+        object.__setattr__(self, "_callbacks", {k: given[k] for k in params})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"'PyStepIOCallback' object has no attribute {name!r}")
+
+    return type("PyStepIOCallback", (), {
+        "__slots__": ("_callbacks",), "__init__": __init__, "__setattr__": __setattr__,
+        "__module__": "popart"})
+
+
+def stepio_arrays(stepio: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The ``(inputs, outputs)`` dicts a recorded PyStepIO holds (the caller's array objects)."""
+    return (dict(object.__getattribute__(stepio, "_inputs")),
+            dict(object.__getattribute__(stepio, "_outputs")))
+
+
+def stepio_callbacks(stepio: Any) -> dict[str, Any]:
+    """The four callables a recorded PyStepIOCallback holds, by PopART's parameter names."""
+    return dict(object.__getattribute__(stepio, "_callbacks"))
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape)
+
+
+def first_run_check(stepio: Any, inputs: dict[str, tuple], anchors: dict[str, tuple], *,
+                    R: int, bps: int, A: int) -> None:  # noqa: N803 - the reference's names
+    """What PopART checks of a PyStepIO on the first ``Session.run`` (reference §1.1, §1.5, §2.1).
+
+    ``inputs``: the graph's stream inputs ``{name: (S, dtype, broadcast)}``; ``anchors``:
+    ``{name: (S, dtype, fetches_per_replica)}``. Runtime error (as PopART) on an unknown or
+    missing name; when ``enableRuntimeAsserts`` is on (the default), on an element count other
+    than ``nelms(S)*A*bps*(1 if broadcast else R)`` (inputs) or ``nelms(S)*R*fetches`` (anchors);
+    and on a dtype other than the tensor's (host int64 into an int32 input is converted).
+    """
+    given_in, given_out = stepio_arrays(stepio)
+    asserts = object.__getattribute__(stepio, "_runtime_asserts")
+    for name, array in given_in.items():
+        if name not in inputs:
+            raise RuntimeError(f"The tensor '{name}' has been provided as one of the inputs to "
+                               f"the stepIO, but it is not registered as one of the inputs to "
+                               f"the model.")
+        shape, dtype, broadcast = inputs[name]
+        expected = math.prod(_shape(shape)) * A * bps * (1 if broadcast else R)
+        if asserts and array.size != expected:
+            raise RuntimeError(
+                f"Unexpected number of input elements for Tensor {name}. Expected {expected}, "
+                f"but received {array.size}.\nTo disable this check at your own risk, use "
+                f"IStepIO::enableRuntimeAsserts.\nreplication  factor = {R}\naccumulation "
+                f"factor = {A}\nbatches per step = {bps}\nTensor nelms = "
+                f"{math.prod(_shape(shape))}")
+        want = np.dtype(dtype)
+        if array.dtype != want and not (want == np.int32 and array.dtype == np.int64):
+            raise RuntimeError(f"Type discrepancy for tensor {name}. User provided : "
+                               f"{array.dtype} and expected : {want}")
+    for name, array in given_out.items():
+        if name not in anchors:
+            raise RuntimeError(f"Testing that the buffer provided by user for output Tensor "
+                               f"{name} has the correct number of elements, But there is no "
+                               f"anchor named {name}.")
+        shape, dtype, fetches = anchors[name]
+        expected = math.prod(_shape(shape)) * R * fetches
+        if asserts and array.size != expected:
+            raise RuntimeError(f"Unexpected number of output elements for Tensor {name}. "
+                               f"Expected {expected}, but received {array.size}.")
+        if array.dtype != np.dtype(dtype):
+            raise RuntimeError(f"Type discrepancy for tensor {name}. User provided : "
+                               f"{array.dtype} and expected : {np.dtype(dtype)}")
+    for name in inputs:
+        if name not in given_in:
+            raise RuntimeError(f"No tensor {name} provided in PyStepIO's inputs")
+    for name in anchors:
+        if name not in given_out:
+            raise RuntimeError(f"No tensor {name} provided in PyStepIO's outputs")
+
+
+@dataclass
+class SimulatedRun:
+    """One simulated run: per input, copies of the micro-batches fed (in call order); per anchor,
+    the values written (in call order); and every callback call as ``(callback, name, ...)``."""
+
+    fed: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    written: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    calls: list[tuple] = field(default_factory=list)
+
+
+def _check_buffer(kind: str, name: str, array: Any, shape: tuple[int, ...], dtype: np.dtype
+                  ) -> None:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{kind} callback for {name!r} returned a {type(array).__name__}, "
+                        f"not a numpy array")
+    if not array.flags.c_contiguous:
+        raise _contiguity_error(kind, name)
+    if kind == "input" and array.ndim == 0:
+        # PyStepIOCallback.in(): "If a None object has been returned ndim will be 0"
+        raise RuntimeError(f"[StepIOSplitter] IStepIO unexpectedly did not provide input data "
+                           f"for tensor {name} (a 0-d array means no data; a scalar tensor "
+                           f"must come as shape (1,))")
+    nelms = math.prod(shape)
+    if array.size != nelms:
+        raise RuntimeError(f"{kind} callback for {name!r} returned {array.size} elements "
+                           f"(shape {array.shape}); one micro-batch of one replica is "
+                           f"nelms(S={shape}) = {nelms} (PopART would copy that many bytes)")
+    if array.dtype != dtype:
+        raise RuntimeError(f"Type discrepancy for tensor {name}. User provided : {array.dtype} "
+                           f"and expected : {dtype} (the callback path copies raw bytes)")
+
+
+def simulate_run(callback_stepio: Any, inputs: dict[str, tuple], anchors: dict[str, tuple], *,
+                 R: int, bps: int, A: int, seed: int = 0,  # noqa: N803
+                 prefetch_rate: float = 0.3) -> SimulatedRun:
+    """Drive a recorded PyStepIOCallback through one run as PopART's StepIOSplitter does.
+
+    ``inputs``: ``{name: (S, dtype, broadcast)}``; ``anchors``: ``{name: (S, dtype,
+    fetches_per_replica)}``. For each of the bps*A micro-batches: every input gets R successful
+    ``input_callback(name, False)`` calls in replica order (one with Broadcast), each followed by
+    ``input_complete_callback(name)``; with probability ``prefetch_rate`` a call is preceded by
+    ``input_callback(name, True)``, whose "no data" answer (None or a 0-d array) is allowed and
+    whose data, if any, is taken as that buffer. Anchors returning ``f`` buffers per replica are
+    fetched (R ``output_callback`` calls in replica order, each followed by
+    ``output_complete_callback``) after micro-batches ``T/f - 1, 2T/f - 1, ...`` (T = bps*A),
+    and a distinct known value, ``k*nelms(S) + arange(nelms(S)) + 1`` for the k-th call, is
+    written into each returned array in place. Every returned array is checked: a C-contiguous
+    numpy array of exactly nelms(S) elements of the tensor's own dtype (no conversion), and, for
+    inputs, not 0-d.
+    """
+    cbs = stepio_callbacks(callback_stepio)
+    inp, inp_done = cbs["input_callback"], cbs["input_complete_callback"]
+    out, out_done = cbs["output_callback"], cbs["output_complete_callback"]
+    rng = random.Random(seed)
+    run = SimulatedRun({n: [] for n in inputs}, {n: [] for n in anchors})
+    total = bps * A
+    for name, (_, _, fetches) in anchors.items():
+        if fetches < 1 or total % fetches:
+            raise ValueError(f"anchor {name!r}: {fetches} fetches per replica do not divide "
+                             f"bps*A = {total}")
+    for step in range(total):
+        for name, (shape, dtype, broadcast) in inputs.items():
+            shape, dtype = _shape(shape), np.dtype(dtype)
+            for _ in range(1 if broadcast else R):
+                array = None
+                if rng.random() < prefetch_rate:
+                    array = inp(name, True)
+                    run.calls.append(("input", name, True))
+                    if array is None or (isinstance(array, np.ndarray) and array.ndim == 0):
+                        array = None
+                if array is None:
+                    array = inp(name, False)
+                    run.calls.append(("input", name, False))
+                    if array is None:
+                        raise RuntimeError(f"[StepIOSplitter] IStepIO unexpectedly did not "
+                                           f"provide input data for tensor {name}")
+                _check_buffer("input", name, array, shape, dtype)
+                run.fed[name].append(array.copy())  # PopART copies the bytes out
+                inp_done(name)
+                run.calls.append(("input_complete", name))
+        for name, (shape, dtype, fetches) in anchors.items():
+            if (step + 1) % (total // fetches):
+                continue
+            shape, dtype = _shape(shape), np.dtype(dtype)
+            nelms = math.prod(shape)
+            for _ in range(R):
+                array = out(name)
+                run.calls.append(("output", name))
+                _check_buffer("output", name, array, shape, dtype)
+                k = len(run.written[name])
+                value = (np.arange(nelms) + k * nelms + 1).astype(dtype)
+                if not np.array_equal(value.astype(np.int64), np.arange(nelms) + k * nelms + 1):
+                    raise ValueError(f"anchor {name!r}: {k * nelms + nelms} values are not "
+                                     f"exact in {dtype}; use smaller runs")
+                array.reshape(-1)[...] = value  # contiguous: reshape(-1) is a view
+                run.written[name].append(value.reshape(shape))
+                out_done(name)
+                run.calls.append(("output_complete", name))
+    return run
+
+
 # -- the module -------------------------------------------------------------------------------
 
 
 def make_popart_module() -> types.ModuleType:
-    """A fresh module-like ``popart`` with the manifest's enums, structs, SessionOptions and
-    DeviceManager (each call builds new classes, so logs never leak between tests)."""
+    """A fresh module-like ``popart`` with the manifest's enums, structs, SessionOptions,
+    DeviceManager, PyStepIO and PyStepIOCallback (each call builds new classes, so logs never
+    leak between tests)."""
     popart = types.ModuleType("popart", "strict recorder of PopART's Python API "
                                         "(tests/contract/popart_api.json)")
     popart.__file__ = __file__
@@ -452,4 +730,6 @@ def make_popart_module() -> types.ModuleType:
         setattr(popart, name, _make_struct(popart, name, spec))
     popart.SessionOptions = _make_session_options(popart)
     popart.DeviceManager = _make_device_manager(popart)
+    popart.PyStepIO = _make_pystepio(popart)
+    popart.PyStepIOCallback = _make_pystepio_callback(popart)
     return popart
