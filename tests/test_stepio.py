@@ -309,3 +309,41 @@ def test_batches_refuse_what_samples_cannot_feed():
     io = pk.StepIOFactory(config(bps=1, acc=1, local=1), inputs={"x": pk.TensorSpec((2, 3))})
     with pytest.raises(ValueError, match=r"samples of shape \(4,\), expected \(3,\)"):
         next(io.batches([np.zeros(4)] * 2))
+
+
+# -- callback feeding ----------------------------------------------------------------------------
+
+
+def test_feeder_order_wraps_around_and_handles_empty_and_scalar_tensors():
+    cfg = config(bps=2, acc=1, local=2)
+    io = pk.StepIOFactory(cfg, inputs={"x": pk.TensorSpec((3,)), "e": pk.TensorSpec((0, 2)),
+                                       "s": pk.TensorSpec(())},
+                          anchors={"y": (pk.TensorSpec(()), "Sum")})
+    inputs, anchors = io.allocate_inputs("random"), io.allocate_anchors()
+    feeder = io.feeder(inputs, anchors)
+    for run in range(2):  # the same feeder serves a second run, like PyStepIO
+        for k in range(4):  # micro-batch-major, replica-minor
+            block = feeder.input("x", prefetch=False)
+            assert np.shares_memory(block, inputs["x"])
+            assert np.array_equal(block, inputs["x"][k // 2, k % 2])
+            feeder.input_complete("x")
+            assert feeder.input("e", prefetch=False).shape == (0, 2)
+            feeder.input_complete("e")
+            scalar = feeder.input("s", prefetch=True)
+            assert scalar.shape == (1,) and scalar[0] == inputs["s"][k // 2, k % 2]
+            feeder.input_complete("s")
+        for r in range(2):
+            feeder.output("y")[...] = 10 * run + r
+            feeder.output_complete("y")
+        assert set(feeder.remaining.values()) == {4, 2}
+    assert np.array_equal(anchors["y"], [10, 11])
+    with pytest.raises(KeyError, match="PopART asked for input 'z'"):
+        feeder.input("z", prefetch=False)
+
+
+def test_feeder_needs_exact_dtypes():
+    io = factory(config(bps=1, acc=1, local=1), ids=pk.TensorSpec((2,), "int32"))
+    ids = np.zeros(2, np.int64)
+    io.check_inputs({"ids": ids})  # PyStepIO converts int64 -> int32 ...
+    with pytest.raises(ValidationError, match="has dtype int64, expected int32"):
+        io.feeder({"ids": ids}, {})  # ... the callback path copies raw bytes
