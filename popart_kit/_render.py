@@ -11,9 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
+    from .layout import PipelineLayout
     from .plan import Plan
 
-__all__ = ["plan_view", "problems_view", "render_plan", "to_text"]
+__all__ = ["plan_view", "problems_view", "allocation_view", "render_plan", "to_text"]
 
 _MAX_REPLICA_ROWS = 32
 
@@ -92,6 +93,20 @@ def problems_view(title: str, problems: Iterable[tuple[str, str]]) -> Group:
                              style="bold red")]
     parts += [Text.assemble(("  • ", "red"), (loc, "bold"), f": {msg}") for loc, msg in rows]
     return Group(*parts)
+
+
+def allocation_view(layout: PipelineLayout) -> Table:
+    """Which ops sit on which stage and IPU, in model order (as PopART apps print it)."""
+    how = " (stages inferred from IPUs)" if layout.inferred else ""
+    table = Table(title=f"Device allocation: {layout.forward_stages} forward stages{how}",
+                  title_justify="left")
+    for column, justify in (("stage", "right"), ("IPU", "right"), ("ops", "right"),
+                            ("first … last op", "left")):
+        table.add_column(column, justify=justify)
+    for stage, ipu, names in layout.allocation():
+        span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        table.add_row(_n(stage), _n(ipu), str(len(names)), span)
+    return table
 
 
 def to_text(renderable: Any, width: int = 100) -> str:
