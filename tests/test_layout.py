@@ -1,0 +1,186 @@
+"""PipelineLayout on models made by hand with onnx.helper: every rule, depth, and the table."""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from pydantic import ValidationError
+
+import popart_kit as pk
+from popart_kit.layout import PipelineLayout
+
+pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
+
+Placement = tuple[int | None, int | None]  # (stage, ipu)
+
+
+def chain(*placements: Placement, branch: Placement | None = None) -> onnx.ModelProto:
+    """x -> relu0 -> relu1 -> ...; ``branch`` adds an op reading relu0's output."""
+    nodes, prev = [], "x"
+
+    def attrs(p: Placement) -> dict[str, int]:
+        stage, ipu = p
+        return ({} if stage is None else {"__pipeline_stage": stage}) | (
+            {} if ipu is None else {"__ipu_number": ipu})
+
+    for i, p in enumerate(placements):
+        nodes.append(helper.make_node("Relu", [prev], [f"t{i}"], name=f"relu{i}", **attrs(p)))
+        prev = f"t{i}"
+    outputs = [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [2])]
+    if branch is not None:
+        nodes.append(helper.make_node("Neg", ["t0"], ["b"], name="branch", **attrs(branch)))
+        outputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [2]))
+    nodes.insert(0, helper.make_node("Constant", [], ["c"], name="const",
+                                     value=helper.make_tensor("v", TensorProto.FLOAT, [], [1.0])))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                        [2])], outputs)
+    model = helper.make_model(graph)
+    onnx.checker.check_model(model)
+    return model
+
+
+def rules(info) -> set[str]:
+    return {e["type"].removeprefix("popart_kit.") for e in info.value.errors()}
+
+
+def config(**kw) -> pk.SessionConfig:
+    kw.setdefault("mode", "training")
+    return pk.SessionConfig(**kw)
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def test_reads_a_model_proto_bytes_or_a_path(tmp_path):
+    model = chain((0, 0), (1, 1))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    for source in (model, model.SerializeToString(), path, str(path)):
+        layout = PipelineLayout.from_model(source)
+        assert layout.forward_stages == 2 and layout.stage_ipu == {0: 0, 1: 1}
+    with pytest.raises(TypeError, match="expected an onnx.ModelProto, bytes or a path"):
+        PipelineLayout.from_model(3)
+
+
+def test_unannotated_model():
+    layout = PipelineLayout.from_model(chain((None, None), (None, None)))
+    assert not layout.is_annotated and layout.forward_stages == 0 and layout.depth(True) == 0
+
+
+# -- depth ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placements, inference, training", [
+    ([(0, 0), (1, 1), (2, 2)], 3, 5),          # three stages on three IPUs
+    ([(0, 0), (1, 0), (2, 1)], 2, 3),          # stages 0 and 1 on one IPU merge
+    ([(0, 0), (1, 1), (2, 0)], 3, 5),          # back to IPU 0: no neighbours share an IPU
+    ([(0, 0), (1, 1), (2, 1), (3, 0)], 3, 5),  # 0,1,1,0 -> 0,1,0; training 0,1,1,0,1,1,0 -> 5
+    ([(0, 0)], 1, 1),
+])
+def test_depth(placements, inference, training):
+    layout = PipelineLayout.from_model(chain(*placements))
+    assert layout.depth(training=False) == inference
+    assert layout.depth(training=True) == training
+
+
+def test_several_stages_on_one_ipu_and_stages_going_back_through_ipus():
+    layout = PipelineLayout.from_model(chain((0, 1), (1, 0), (2, 1), (3, 0)))
+    assert layout.stage_ipu == {0: 1, 1: 0, 2: 1, 3: 0}
+    assert layout.ipus_used == {0, 1}
+    assert layout.depth(True) == 7
+
+
+def test_stages_inferred_from_ipus():
+    layout = PipelineLayout.from_model(chain((None, 0), (None, 1), (None, 1)))
+    assert layout.inferred and layout.forward_stages == 2 and layout.stage_ipu == {0: 0, 1: 1}
+
+
+# -- the model's rules ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, rule, words", [
+    (chain((0, 0), (None, 1)), "V4", "only some ops have a pipeline stage; 1 has none: relu1"),
+    (chain((0, 0), (1, None)), "V26", "only some ops have an IPU; 1 has none: relu1"),
+    (chain((0, 0), (2, 1)), "V12", "stage 1 is missing"),
+    (chain((0, 0), (0, 1)), "V5", "stage 0 has ops on IPUs [0, 1]"),
+    (chain((1, 0), (0, 1)), "V10", "tensor 't0' is made by relu0 on stage 1 but consumed by "
+                                   "relu1 on stage 0"),
+    (chain((None, 1), (None, 0)), "V9", "PopART takes each op's IPU as its stage"),
+    (chain((0, 0), (1, 1), branch=(0, 0)), None, None),  # a branch in an earlier stage is fine
+    (chain((0, 0), (-1, 1)), "V11", "negative stage or IPU on relu1"),
+])
+def test_model_rules(model, rule, words):
+    if rule is None:
+        PipelineLayout.from_model(model)
+        return
+    with pytest.raises(ValidationError) as info:
+        PipelineLayout.from_model(model)
+    assert rule in rules(info)
+    assert words in str(info.value)
+
+
+def test_every_model_problem_at_once():
+    with pytest.raises(ValidationError) as info:
+        PipelineLayout.from_model(chain((0, 0), (0, 1), (3, 2), (2, 2)))
+    assert rules(info) == {"V12", "V5", "V10"}
+
+
+# -- against a config -----------------------------------------------------------------------------
+
+
+def test_check_passes_a_matching_config():
+    layout = PipelineLayout.from_model(chain((0, 0), (1, 1), (2, 2)))
+    layout.check(config(ipus_per_replica=4, accumulation={"factor": 5},
+                        pipeline={"enabled": True, "stages": 3}))
+    layout.check(config(mode="inference", ipus_per_replica=4, batches_per_step=3,
+                        pipeline={"enabled": True}))
+
+
+@pytest.mark.parametrize("kw, rule", [
+    ({"ipus_per_replica": 2, "accumulation": {"factor": 8}, "pipeline": {"enabled": True}}, "V24"),
+    ({"ipus_per_replica": 4, "accumulation": {"factor": 4}, "pipeline": {"enabled": True}}, "V6"),
+    ({"ipus_per_replica": 4, "batches_per_step": 4, "pipeline": {"enabled": True}}, "V7"),
+    ({"ipus_per_replica": 4, "accumulation": {"factor": 8},
+      "pipeline": {"enabled": True, "stages": 2}}, "K-layout-stages"),
+])
+def test_check_errors(kw, rule):
+    layout = PipelineLayout.from_model(chain((0, 0), (1, 1), (2, 2)))
+    with pytest.raises(ValidationError) as info:
+        layout.check(config(**kw))
+    assert rule in rules(info)
+
+
+def test_check_uses_the_merged_depth():
+    # stages 0 and 1 share IPU 0: PopART runs 3 stages in training, not 2×3−1 = 5
+    layout = PipelineLayout.from_model(chain((0, 0), (1, 0), (2, 1)))
+    layout.check(config(ipus_per_replica=2, accumulation={"factor": 3},
+                        pipeline={"enabled": True}))
+
+
+def test_check_reports_unannotated_models():
+    layout = PipelineLayout.from_model(chain((None, None)))
+    with pytest.raises(ValidationError) as info:
+        layout.check(config(ipus_per_replica=2, accumulation={"factor": 8},
+                            pipeline={"enabled": True}))
+    assert rules(info) == {"V25", "K-layout-unstaged"}
+
+
+def test_check_warns_about_ignored_annotations():
+    layout = PipelineLayout.from_model(chain((0, 0), (1, 1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layout.check(config(ipus_per_replica=2))
+    texts = [str(w.message) for w in caught]
+    assert any("[V3]" in t for t in texts)
+
+
+def test_allocation_table():
+    layout = PipelineLayout.from_model(chain((0, 0), (0, 0), (1, 1), (2, 0)))
+    assert layout.allocation() == [(0, 0, ["relu0", "relu1"]), (1, 1, ["relu2"]),
+                                   (2, 0, ["relu3"])]
+    table = layout.allocation_table()
+    assert "Device allocation: 3 forward stages" in table
+    assert "relu0 … relu1" in table
