@@ -4,6 +4,15 @@ This module is the public surface; everything not in ``__all__`` is internal.
 """
 
 from ._problems import PopartKitWarning
+from .builder import (
+    Builder,
+    BuilderError,
+    InputSettings,
+    PipelineBuilder,
+    ReductionType,
+    ReplicatedStreamMode,
+    TensorInfo,
+)
 from .config import (
     Accumulation,
     Device,
@@ -13,6 +22,7 @@ from .config import (
     Replication,
     SessionConfig,
 )
+from .layout import PipelineLayout
 from .plan import Plan, ReplicaPlacement
 from .popdist import PopdistEnv
 from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
@@ -40,5 +50,13 @@ __all__ = [
     "StepIOFactory",
     "RunBatches",
     "CallbackFeeder",
+    "Builder",
+    "BuilderError",
+    "PipelineBuilder",
+    "PipelineLayout",
+    "TensorInfo",
+    "InputSettings",
+    "ReplicatedStreamMode",
+    "ReductionType",
     "PopartKitWarning",
 ]

@@ -6,13 +6,13 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 from rich.console import Console
 
 from ._problems import PopartKitWarning
-from ._render import plan_view, problems_view
+from ._render import allocation_view, plan_view, problems_view
 from .config import SessionConfig
 
 __all__ = ["main"]
@@ -38,10 +38,20 @@ def _load(path: str, err: Console) -> SessionConfig | None:
     return None
 
 
+def _quietly(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a command with PopartKitWarnings silenced: the command prints them itself."""
+
+    def run(args: argparse.Namespace) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PopartKitWarning)
+            return command(args)
+
+    return run
+
+
+@_quietly
 def _plan(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PopartKitWarning)  # the plan lists them
-        return _show_plan(args)
+    return _show_plan(args)
 
 
 def _show_plan(args: argparse.Namespace) -> int:
@@ -66,6 +76,40 @@ def _show_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+@_quietly
+def _check(args: argparse.Namespace) -> int:
+    """The model's device allocation and every problem of the model under the config."""
+    from .layout import PipelineLayout
+
+    out, err = Console(), Console(stderr=True)
+    cfg = _load(args.config, err) if args.config else None
+    if args.config and cfg is None:
+        return 1
+    try:
+        layout = PipelineLayout.from_model(args.model)
+    except ValidationError as exc:
+        _problems(err, args.model, [(_loc(e), e["msg"]) for e in exc.errors()])
+        return 1
+    except (OSError, TypeError, ValueError) as exc:  # unreadable, or not an ONNX model
+        _problems(err, args.model, [("(file)", str(exc))])
+        return 1
+    out.print(allocation_view(layout))
+    out.print(f"forward stages {layout.forward_stages}; depth {layout.depth(training=False)} "
+              f"in inference, {layout.depth(training=True)} in training")
+    if cfg is None:
+        return 0
+    found = layout.problems(cfg)
+    errors = [(p.loc, p.text()) for p in found if p.severity == "error"]
+    for p in found:
+        if p.severity == "warning":
+            err.print(f"[yellow]warning[/yellow] {p}", soft_wrap=True)
+    if errors:
+        _problems(err, f"{args.model} under {args.config}", errors)
+        return 1
+    out.print(f"[green]{args.model} fits {args.config}[/green]")
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(json.dumps(SessionConfig.model_json_schema(), indent=2))
     return 0
@@ -80,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--instance", type=int, default=None,
                       help="show the plan of this instance of a distributed config")
     plan.set_defaults(run=_plan)
+    check = commands.add_parser("check", help="show a model's pipeline stages and IPUs, and "
+                                              "check them against a config")
+    check.add_argument("model", help="an ONNX model (.onnx)")
+    check.add_argument("--config", help="a SessionConfig file to check the model against")
+    check.set_defaults(run=_check)
     schema = commands.add_parser("schema", help="print the SessionConfig JSON Schema")
     schema.set_defaults(run=_schema)
     return parser
