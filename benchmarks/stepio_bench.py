@@ -5,9 +5,9 @@
 For each size (bytes of one instance's input per run) it times from_samples, check_inputs,
 replica (all local replicas) and shard (this instance's share of 2 instances' data) and prints
 each against ``numpy.copyto`` of the bytes that operation hands over (the whole run for the view
-operations, the shard for shard) into a buffer already in use. ``shard`` allocates its result
-(first-touch page faults included); ``shard out=`` fills this instance's arrays reused run after
-run. Targets: views cost microseconds whatever the size; shard within 1.25x of one memcpy of the
+operations, the shard for shard) into a buffer already in use; ``shard`` allocates its result,
+so it is measured against a copy into new memory (first-touch page faults in both), while
+``shard out=`` fills this instance's arrays reused run after run. Targets: views cost microseconds whatever the size; shard within 1.25x of one memcpy of the
 shard's bytes.
 """
 
@@ -55,12 +55,13 @@ def bench(size_mib: float, repeat: int) -> list[tuple[str, float, float]]:
 
     memcpy_run = best_of(repeat, lambda: np.copyto(run_copy, samples))
     memcpy_shard = best_of(repeat, lambda: np.copyto(shard_copy, shard_bytes))
+    fresh_memcpy_shard = best_of(repeat, lambda: shard_bytes.copy())  # into new memory
     return [
         ("from_samples", best_of(repeat, lambda: io.from_samples({"x": samples})), memcpy_run),
         ("check_inputs", best_of(repeat, lambda: io.check_inputs(arrays)), memcpy_run),
         ("replica x R", best_of(repeat, lambda: [io.replica(arrays, r) for r in range(LOCAL)]),
          memcpy_run),
-        ("shard", best_of(repeat, lambda: io.shard({"x": glob})), memcpy_shard),
+        ("shard", best_of(repeat, lambda: io.shard({"x": glob})), fresh_memcpy_shard),
         ("shard out=", best_of(repeat, lambda: io.shard({"x": glob}, out=reused)), memcpy_shard),
     ]
 
@@ -68,17 +69,22 @@ def bench(size_mib: float, repeat: int) -> list[tuple[str, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 32, 256])
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, numpy {np.__version__}")
     print(f"layout: bps={BPS} A={ACCUMULATION} R={LOCAL} of G={LOCAL * INSTANCES}, "
           f"micro-batch {MICRO_BATCH}")
-    print(f"{'MiB/run':>8} {'operation':<14} {'time':>11} {'memcpy':>11} {'ratio':>9}")
+    print(f"{'MiB/run':>8} {'operation':<14} {'time':>11} {'memcpy':>11} {'ratio':>9}  target")
     for size in args.sizes_mib:
         for name, seconds, baseline in bench(size, args.repeat):
+            if name.startswith("shard"):
+                verdict = "ok" if seconds <= 1.25 * baseline else "MISSED (<= 1.25x memcpy)"
+            else:
+                verdict = "ok" if seconds < 100e-6 else "MISSED (microseconds)"
             print(f"{size:>8g} {name:<14} {seconds * 1e6:>9.1f}us {baseline * 1e6:>9.1f}us "
-                  f"{seconds / baseline:>8.3f}x")
-    print("targets: view operations microseconds at every size; shard <= 1.25x memcpy")
+                  f"{seconds / baseline:>8.3f}x  {verdict}")
+    print("baselines: numpy.copyto of the same bytes into a buffer in use; for 'shard', a copy "
+          "into new memory (as shard allocates)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ class Problem:
     rule popart_kit adds.
     """
 
-    loc: str
+    loc: str | tuple[str, ...]  # a dotted field path, or parts that may contain dots
     message: str
     fix: str
     rule: str
@@ -41,16 +41,25 @@ class Problem:
     @property
     def value(self) -> Any:
         """The value at ``loc`` when the rule recorded it, else everything it read."""
+        loc = self.dotted
         for name, value in self.involved.items():
-            if name == self.loc or name.endswith("." + self.loc):
+            if name == loc or name.endswith("." + loc):
                 return value
         return self.involved
+
+    @property
+    def dotted(self) -> str:
+        return self.loc if isinstance(self.loc, str) else ".".join(self.loc)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.loc.split(".")) if isinstance(self.loc, str) else self.loc
 
     def text(self) -> str:
         return f"{self.message} Fix: {self.fix}"
 
     def __str__(self) -> str:
-        return f"{self.loc}: {self.text()} [{self.rule}]"
+        return f"{self.dotted}: {self.text()} [{self.rule}]"
 
 
 def raise_errors(title: str, problems: Iterable[Problem],
@@ -60,7 +69,7 @@ def raise_errors(title: str, problems: Iterable[Problem],
     details = [
         InitErrorDetails(
             type=PydanticCustomError("popart_kit." + p.rule, "{text}", {"text": p.text()}),
-            loc=tuple(p.loc.split(".")),
+            loc=p.parts,
             input=p.value,
         )
         for p in problems

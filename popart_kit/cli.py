@@ -99,7 +99,7 @@ def _check(args: argparse.Namespace) -> int:
     if cfg is None:
         return 0
     found = layout.problems(cfg)
-    errors = [(p.loc, p.text()) for p in found if p.severity == "error"]
+    errors = [(p.dotted, p.text()) for p in found if p.severity == "error"]
     for p in found:
         if p.severity == "warning":
             err.print(f"[yellow]warning[/yellow] {p}", soft_wrap=True)

@@ -9,6 +9,7 @@ drop ``R``; global replication never changes these per-instance shapes.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "input_elements",
     "anchor_elements",
     "leading_factors",
+    "anchor_leading_factors",
 ]
 
 _NAMES = {"all": "All", "final": "Final", "sum": "Sum", "everyn": "EveryN"}
@@ -39,7 +41,7 @@ class AnchorReturnType:
     def __init__(self, name: str, period: int | None = None) -> None:
         canonical = _NAMES.get(name.lower()) if isinstance(name, str) else None
         if canonical is None:
-            raise ValueError(f"Invalid anchor return type ID supplied: {name!r}. "
+            raise ValueError(f"Invalid anchor return type ID supplied: {name}. "
                              f"Fix: use one of All, Final, Sum, EveryN (any case).")
         if canonical != "EveryN" and period is not None:
             raise ValueError(f"A return period should not be supplied for this anchor return "
@@ -49,7 +51,8 @@ class AnchorReturnType:
             if period is None:
                 raise ValueError("Must specify return period with option 'EVERYN'. Fix: "
                                  "AnchorReturnType('EveryN', N) with N dividing batches_per_step.")
-            if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+            period = _count(period)
+            if period is None or period <= 0:
                 raise ValueError(f"Anchor return period must be greater than zero, got "
                                  f"{period!r}. Fix: a positive integer that divides "
                                  f"batches_per_step.")
@@ -75,26 +78,25 @@ class AnchorReturnType:
         return f"AnchorReturnType({self.name!r}" + (
             f", {self.period})" if self.period is not None else ")")
 
-    def batches_per_step_problem(self, batches_per_step: int) -> str | None:
-        """Why this return type cannot be used with ``batches_per_step`` (None when it can)."""
+    def batches_per_step_problem(self, batches_per_step: int) -> tuple[str, str] | None:
+        """Why this return type cannot be used with ``batches_per_step``, and the fix
+        (None when it can)."""
         n = self.period
-        if n is None:
+        if n is None or (n <= batches_per_step and batches_per_step % n == 0):
             return None
+        divisors = [d for d in range(1, batches_per_step + 1) if batches_per_step % d == 0]
+        fix = f"use a period that divides {batches_per_step}: one of {divisors[:8]}" + (
+            " …" if len(divisors) > 8 else "") + "."
         if n > batches_per_step:
             return (f"EveryN period {n} exceeds batches_per_step={batches_per_step} (PopART: "
-                    f"'Return period must be <= to the number of batches per step'). Fix: a period "
-                    f"that divides {batches_per_step}.")
-        if batches_per_step % n:
-            divisors = [d for d in range(1, batches_per_step + 1) if batches_per_step % d == 0]
-            return (f"EveryN period {n} does not divide batches_per_step={batches_per_step}. "
-                    f"Fix: use one of {divisors[:8]}{' …' if len(divisors) > 8 else ''}.")
-        return None
+                    f"'Return period must be <= to the number of batches per step').", fix)
+        return f"EveryN period {n} does not divide batches_per_step={batches_per_step}.", fix
 
     def fetches_per_replica(self, batches_per_step: int, accumulation_factor: int = 1) -> int:
         """Anchor values returned per replica per run (PopART's numOutFetchesPerRepl)."""
-        total = batches_per_step * accumulation_factor
-        return {"All": total, "Final": 1, "Sum": 1}.get(
-            self.name, total // self.period if self.period else 0)
+        if self.name in ("Final", "Sum"):
+            return 1
+        return batches_per_step * accumulation_factor // (self.period or 1)
 
     def returned_micro_batches(self, batches_per_step: int,
                                accumulation_factor: int = 1) -> range:
@@ -115,19 +117,28 @@ class AnchorReturnType:
         return steps, accumulation_factor, replication_factor
 
 
+def _count(value: object) -> int | None:
+    """An int from an int or numpy integer (not a bool); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _positive(**factors: int) -> None:
-    bad = {k: v for k, v in factors.items()
-           if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    bad = {k: v for k, v in factors.items() if (_count(v) or 0) < 1}
     if bad:
         raise ValueError(", ".join(f"{k}={v!r}" for k, v in bad.items())
                          + " must be positive integers. Fix: pass counts of 1 or more.")
 
 
 def _tensor_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    dims = tuple(shape)
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-        raise ValueError(f"tensor shape {shape!r} must hold non-negative integers.")
-    return dims
+    dims = tuple(_count(d) for d in shape)
+    if any(d is None or d < 0 for d in dims):
+        raise ValueError(f"tensor shape {tuple(shape)!r} must hold non-negative integers.")
+    return dims  # type: ignore[return-value]
 
 
 def leading_factors(batches_per_step: int, accumulation_factor: int = 1,
@@ -142,6 +153,25 @@ def leading_factors(batches_per_step: int, accumulation_factor: int = 1,
     return tuple((k, v) for k, v in named if v != 1)
 
 
+def anchor_leading_factors(art: AnchorReturnType | str | tuple, batches_per_step: int,
+                           accumulation_factor: int = 1, replication_factor: int = 1
+                           ) -> tuple[tuple[str, int], ...]:
+    """The named leading factors of an anchor array, 1s left out: e.g. (("bps/N", 2), ("R", 4)).
+
+    Refuses an EveryN period that does not divide batches_per_step."""
+    art = AnchorReturnType.of(art)
+    _positive(batches_per_step=batches_per_step, accumulation_factor=accumulation_factor,
+              replication_factor=replication_factor)
+    problem = art.batches_per_step_problem(batches_per_step)
+    if problem:
+        raise ValueError(f"{problem[0]} Fix: {problem[1]}")
+    names = {"All": ("batches_per_step", "accumulation_factor", "replication_factor"),
+             "EveryN": ("batches_per_step/N", "accumulation_factor", "replication_factor"),
+             }.get(art.name, ("replication_factor",))
+    prefix = art.prefix(batches_per_step, accumulation_factor, replication_factor)
+    return tuple((k, v) for k, v in zip(names, prefix, strict=True) if v != 1)
+
+
 def input_shape(shape: Sequence[int], batches_per_step: int, accumulation_factor: int = 1,
                 replication_factor: int = 1, broadcast: bool = False) -> tuple[int, ...]:
     """The host array of one input for one run: ``[bps, A, R, *S]`` with 1-factors left out."""
@@ -154,27 +184,21 @@ def anchor_shape(shape: Sequence[int], art: AnchorReturnType | str | tuple,
                  batches_per_step: int, accumulation_factor: int = 1,
                  replication_factor: int = 1) -> tuple[int, ...]:
     """The host array of one anchor for one run (PopART's initAnchorArrays)."""
-    art = AnchorReturnType.of(art)
-    _positive(batches_per_step=batches_per_step, accumulation_factor=accumulation_factor,
-              replication_factor=replication_factor)
-    problem = art.batches_per_step_problem(batches_per_step)
-    if problem:
-        raise ValueError(problem)
-    prefix = art.prefix(batches_per_step, accumulation_factor, replication_factor)
-    return tuple(x for x in prefix if x != 1) + _tensor_shape(shape)
+    factors = anchor_leading_factors(art, batches_per_step, accumulation_factor,
+                                     replication_factor)
+    return tuple(v for _, v in factors) + _tensor_shape(shape)
 
 
 def input_elements(shape: Sequence[int], batches_per_step: int, accumulation_factor: int = 1,
                    replication_factor: int = 1, broadcast: bool = False) -> int:
     """PopART's own size check: nelms(S) × A × bps × (1 if Broadcast else R)."""
-    return math.prod(_tensor_shape(shape)) * accumulation_factor * batches_per_step * (
-        1 if broadcast else replication_factor)
+    return math.prod(input_shape(shape, batches_per_step, accumulation_factor,
+                                 replication_factor, broadcast))
 
 
 def anchor_elements(shape: Sequence[int], art: AnchorReturnType | str | tuple,
                     batches_per_step: int, accumulation_factor: int = 1,
                     replication_factor: int = 1) -> int:
     """PopART's expected anchor size: nelms(S) × R × fetches per replica."""
-    art = AnchorReturnType.of(art)
-    return (math.prod(_tensor_shape(shape)) * replication_factor
-            * art.fetches_per_replica(batches_per_step, accumulation_factor))
+    return math.prod(anchor_shape(shape, art, batches_per_step, accumulation_factor,
+                                  replication_factor))

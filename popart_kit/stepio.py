@@ -9,7 +9,9 @@ micro-batch per replica at a time, to PyStepIOCallback.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._problems import PopartKitWarning, Problem, raise_errors
-from .shapes import AnchorReturnType, anchor_shape, input_shape, leading_factors
+from .shapes import (
+    AnchorReturnType,
+    anchor_leading_factors,
+    anchor_shape,
+    input_shape,
+    leading_factors,
+)
 
 if TYPE_CHECKING:
     from .config import SessionConfig
@@ -36,10 +44,14 @@ def _dtype(value: Any) -> np.dtype:
     if isinstance(value, str) and value.upper() in _POPART_DTYPES:
         return np.dtype(_POPART_DTYPES[value.upper()])
     try:
-        return np.dtype(value)
+        dtype = np.dtype(value)
     except TypeError:
-        raise ValueError(f"unknown dtype {value!r}. Fix: a numpy dtype ('float32', np.int32) or "
-                         f"a PopART type name ({', '.join(_POPART_DTYPES)}).") from None
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf":
+        raise ValueError(f"unknown dtype {value!r}: host tensors are numbers or booleans. Fix: "
+                         f"a numpy dtype ('float32', np.int32) or a PopART type name "
+                         f"({', '.join(_POPART_DTYPES)}).")
+    return dtype
 
 
 @dataclass(frozen=True, init=False)
@@ -80,10 +92,11 @@ def _problem(kind: str, name: str, message: str, fix: str, rule: str,
              **involved: Any) -> Problem:
     """A problem with input or anchor ``name``; the message is completed with that name."""
     noun = {"inputs": "input", "anchors": "anchor", "out": "out"}[kind]
-    return Problem(f"{kind}.{name}", f"{noun} {name!r} {message}", fix, rule, involved=involved)
+    return Problem((kind, name), f"{noun} {name!r} {message}", fix, rule, involved=involved)
 
 
-_AXIS_NAMES = {"batches_per_step": "bps", "accumulation_factor": "A", "replication_factor": "R"}
+_AXIS_NAMES = {"batches_per_step": "bps", "batches_per_step/N": "bps/N",
+               "accumulation_factor": "A", "replication_factor": "R"}
 
 
 def _layout(factors: Sequence[tuple[str, int]], shape: Sequence[int]) -> str:
@@ -107,9 +120,8 @@ def _shape_mismatch(factors: Sequence[tuple[str, int]], spec_shape: Sequence[int
         why = (f"the {' or the '.join(missing)} axis is missing"
                if missing else f"rank {len(given)}, expected {len(expected)}")
     else:
-        ones = [i for i in range(len(given) - len(expected) + 1) if given[i] == 1]
-        stripped = tuple(d for i, d in enumerate(given) if i not in ones[:len(given) - len(
-            expected)])
+        lead = given[:len(given) - len(spec_shape)]
+        stripped = tuple(d for d in lead if d != 1) + given[len(lead):]
         why = ("leading factors equal to 1 are left out of PopART's layout"
                if stripped == expected else f"rank {len(given)}, expected {len(expected)}")
     same_size = math.prod(given) == math.prod(expected)
@@ -159,6 +171,10 @@ def _name_problems(kind: str, given: Iterable[str], known: Mapping[str, Any]) ->
     return out
 
 
+# The factors are asked for on every check of every run: keep the few combinations computed.
+_leading_factors = functools.lru_cache(maxsize=256)(leading_factors)
+
+
 class StepIOFactory:
     """Host arrays of a session's inputs and anchors, shaped for one run of this instance."""
 
@@ -185,12 +201,16 @@ class StepIOFactory:
                                          "give (TensorSpec, return type).", "K-stepio-spec"))
                 continue
             if (why := art.batches_per_step_problem(bps)) is not None:
-                problems.append(_problem("anchors", name, why.split(" Fix: ")[0],
-                                         why.split(" Fix: ")[-1], "V46", period=art.period))
+                problems.append(_problem("anchors", name, *why, "V46", period=art.period))
             elif art.name == "EveryN" and config.pipeline.enabled:
                 problems.append(_problem("anchors", name,
-                                         "EveryN anchors are not valid for pipelined models.",
+                                         "is EveryN, which is not valid for pipelined models.",
                                          "use All, Final or Sum, or disable pipelining.", "V14"))
+            elif art.name == "EveryN" and config.popart_options.get("enableExplicitMainLoops"):
+                problems.append(_problem("anchors", name,
+                                         "is EveryN, which explicit main loops do not support.",
+                                         "use All, Final or Sum, or drop "
+                                         "enableExplicitMainLoops.", "V13"))
             else:
                 self.anchors[name] = (spec, art)
         raise_errors("StepIOFactory", problems)
@@ -211,14 +231,12 @@ class StepIOFactory:
 
     def _input_factors(self, spec: TensorSpec, replicas: int | None = None
                        ) -> tuple[tuple[str, int], ...]:
-        return leading_factors(self._bps, self._accumulation,
-                               self._replicas if replicas is None else replicas, spec.broadcast)
+        """Named leading factors of an input's arrays (R, or G when ``replicas`` is given)."""
+        return _leading_factors(self._bps, self._accumulation,
+                                self._replicas if replicas is None else replicas, spec.broadcast)
 
     def _anchor_factors(self, art: AnchorReturnType) -> tuple[tuple[str, int], ...]:
-        names = ("replication_factor",) if art.name in ("Final", "Sum") else (
-            "batches_per_step", "accumulation_factor", "replication_factor")
-        prefix = art.prefix(self._bps, self._accumulation, self._replicas)
-        return tuple((k, v) for k, v in zip(names, prefix, strict=True) if v != 1)
+        return anchor_leading_factors(art, self._bps, self._accumulation, self._replicas)
 
     def _known_input(self, name: str) -> TensorSpec:
         try:
@@ -276,22 +294,31 @@ class StepIOFactory:
             factors = self._input_factors(spec)
             found = _array_problems("inputs", name, array, spec, factors, check_shape=False)
             if not found:
-                need = math.prod(v for _, v in factors) * spec.nelms
-                if array.size != need:
+                micro_batches = math.prod(v for _, v in factors)
+                need = micro_batches * spec.nelms
+                row = spec.shape[1:]  # one sample: trailing axes must match S without its first
+                if array.size != need or (row and array.shape[-len(row):] != row):
                     product = " × ".join(f"{_AXIS_NAMES[k]}={v}" for k, v in factors)
                     found.append(_problem(
                         "inputs", name,
-                        f"holds {array.size} elements; one run needs "
+                        f"has shape {array.shape} ({array.size} elements); one run needs "
                         f"{product + ' × ' if product else ''}nelms(S={spec.shape})={spec.nelms}"
-                        f" = {need}.",
-                        f"pass exactly {need // max(spec.nelms, 1)} micro-batches of {spec.shape}"
-                        f" (shape {self.input_shape(name)}).", "K-stepio-size",
-                        size=array.size))
+                        f" = {need} elements" + (f", ending in axes {row}" if row else "") + ".",
+                        f"pass exactly {micro_batches} micro-batches of {spec.shape} (e.g. "
+                        f"shape {self._samples_shape(spec, micro_batches)}).",
+                        "K-stepio-size", size=array.size))
             problems += found
             if not found:
                 out[name] = array.reshape(self.input_shape(name))
         raise_errors("StepIOFactory.from_samples", problems)
         return out
+
+    @staticmethod
+    def _samples_shape(spec: TensorSpec, micro_batches: int) -> tuple[int, ...]:
+        """The shape of one run's samples stacked along the micro-batch axis."""
+        if not spec.shape:
+            return (micro_batches,)
+        return (micro_batches * spec.shape[0],) + spec.shape[1:]
 
     # -- checking -----------------------------------------------------------------------------
 
@@ -320,9 +347,10 @@ class StepIOFactory:
 
     # -- replicas and instances ---------------------------------------------------------------
 
-    def _replica_axis(self, spec: TensorSpec) -> int | None:
-        """Axis of R in this instance's arrays; None when there is none (R = 1 or Broadcast)."""
-        names = [k for k, _ in self._input_factors(spec)]
+    def _replica_axis(self, spec: TensorSpec, replicas: int | None = None) -> int | None:
+        """Axis of R (or of G, given ``replicas``) in an input's arrays; None when there is none
+        (that factor is 1, or a Broadcast input)."""
+        names = [k for k, _ in self._input_factors(spec, replicas)]
         return names.index("replication_factor") if "replication_factor" in names else None
 
     def shard(self, global_arrays: Mapping[str, np.ndarray],
@@ -354,7 +382,7 @@ class StepIOFactory:
             spec = self.inputs[name]
             share = array
             if not (spec.broadcast or total == rep.local_factor):
-                axis = [k for k, _ in self._input_factors(spec, total)].index("replication_factor")
+                axis = self._replica_axis(spec, total)
                 index: Any = (slice(rep.global_offset, rep.global_offset + rep.local_factor)
                               if rep.local_factor > 1 else rep.global_offset)
                 share = array[(slice(None),) * axis + (index, Ellipsis)]  # Ellipsis: 0-d stays
@@ -367,9 +395,11 @@ class StepIOFactory:
 
     def replica(self, arrays: Mapping[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
         """Views of what local replica ``r`` receives at each (batch, accumulation step)."""
-        if not 0 <= r < self._replicas:
-            raise ValueError(f"replica {r} does not exist: this instance runs "
+        index = None if isinstance(r, bool) else operator.index(r)
+        if index is None or not 0 <= index < self._replicas:
+            raise ValueError(f"replica {r!r} does not exist: this instance runs "
                              f"{self._replicas} local replica(s), 0..{self._replicas - 1}.")
+        r = index
         self.check_inputs(arrays, require_all=False)
         out = {}
         for name, array in arrays.items():
@@ -498,7 +528,8 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         cfg = factory.config
         self.micro_batch_size = sizes.pop() if sizes else 0
         if self.micro_batch_size < 1:
-            raise ValueError("batches() needs inputs with a micro-batch size of at least 1.")
+            raise ValueError("batches() needs at least one input, each with a micro-batch axis "
+                             "of at least 1 sample (S[0]).")
         self.samples_per_run = (cfg.batches_per_step * cfg.accumulation.factor
                                 * cfg.replication.global_replicas * self.micro_batch_size)
         self._factory = factory
@@ -535,13 +566,26 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         factory = self._factory
         stacked = {}
         for name, spec in factory.inputs.items():
-            block = np.stack([np.asarray(s[name], dtype=spec.dtype) for s in taken])
+            block = np.stack([np.asarray(s[name]) for s in taken])
             if block.shape[1:] != spec.shape[1:]:
                 raise ValueError(f"input {name!r}: samples of shape {block.shape[1:]}, expected "
                                  f"{spec.shape[1:]} (S={spec.shape} without its micro-batch "
                                  f"axis). Fix: yield one sample at a time.")
+            block = _cast_exactly(name, block, spec.dtype)
             stacked[name] = block.reshape(input_shape(
                 spec.shape, factory._bps, factory._accumulation, self._total))
         self.runs += 1
         return factory.shard(stacked)
 
+
+
+def _cast_exactly(name: str, block: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``block`` as ``dtype`` when no value changes kind or range (float -> int never)."""
+    if block.dtype == dtype:
+        return block
+    converted = block.astype(dtype)
+    if not np.can_cast(block.dtype, dtype, "same_kind") or (
+            dtype.kind in "biu" and not np.array_equal(converted, block)):
+        raise ValueError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
+                         f"without changing values. Fix: yield samples of dtype {dtype}.")
+    return converted

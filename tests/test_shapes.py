@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +30,7 @@ def return_types(draw, bps: int) -> pk.AnchorReturnType:
 
 
 @pytest.mark.parametrize("args, message", [
-    (("INVALID",), "Invalid anchor return type ID supplied: 'INVALID'"),
+    (("INVALID",), "Invalid anchor return type ID supplied: INVALID"),
     (("ALL", 2), "A return period should not be supplied for this anchor return type"),
     (("EveryN", -1), "Anchor return period must be greater than zero"),
     (("EveryN", 0), "Anchor return period must be greater than zero"),
@@ -56,11 +57,24 @@ def test_of_accepts_names_and_pairs():
 
 @pytest.mark.parametrize("period, bps, message", [
     (4, 2, "EveryN period 4 exceeds batches_per_step=2"),
-    (3, 4, r"EveryN period 3 does not divide batches_per_step=4. Fix: use one of \[1, 2, 4\]"),
+    (3, 4, r"EveryN period 3 does not divide batches_per_step=4. Fix: use a period that "
+           r"divides 4: one of \[1, 2, 4\]"),
 ])
 def test_period_must_divide_batches_per_step(period, bps, message):
     with pytest.raises(ValueError, match=message):
         pk.anchor_shape((2,), ("EveryN", period), batches_per_step=bps)
+
+
+def test_numpy_integers_are_counts():
+    assert pk.AnchorReturnType("EveryN", np.int64(2)).period == 2
+    assert pk.input_shape((np.int64(3),), np.int32(2)) == (2, 3)
+    with pytest.raises(ValueError, match="batches_per_step=True"):
+        pk.input_shape((3,), True)
+
+
+def test_element_counts_validate_like_shapes():
+    with pytest.raises(ValueError, match="does not divide batches_per_step=4"):
+        pk.anchor_elements((2,), ("EveryN", 3), 4)
 
 
 def test_every_n_returns_micro_batches_n_minus_1_2n_minus_1():
@@ -140,7 +154,7 @@ def test_anchor_shape_rule(data, shape, bps, acc, reps):
 
 
 @settings(max_examples=100, deadline=None)
-@given(tensor_shapes, counts, st.sampled_from([1, 2, 4]), st.integers(1, 4), st.data())
+@given(tensor_shapes, counts, st.sampled_from([1, 2, 4]), st.integers(2, 4), st.data())
 def test_global_replication_never_changes_instance_shapes(shape, bps, local, instances, data):
     offset = local * data.draw(st.integers(0, instances - 1))
     alone = pk.SessionConfig(mode="training", batches_per_step=bps,
@@ -149,8 +163,14 @@ def test_global_replication_never_changes_instance_shapes(shape, bps, local, ins
                               replication={"local_factor": local,
                                            "global_factor": local * instances,
                                            "global_offset": offset})
-    assert alone.input_shape(shape) == spread.input_shape(shape)
-    assert alone.anchor_shape(shape, "Sum") == spread.anchor_shape(shape, "Sum")
+    specs = {"inputs": {"x": pk.TensorSpec(shape), "b": pk.TensorSpec(shape, broadcast=True)},
+             "anchors": {"y": (pk.TensorSpec(shape), "All"), "s": (pk.TensorSpec(shape), "Sum")}}
+    one, many = pk.StepIOFactory(alone, **specs), pk.StepIOFactory(spread, **specs)
+    for name in ("x", "b"):
+        assert one.input_shape(name) == many.input_shape(name) == alone.input_shape(
+            shape, broadcast=name == "b")
+    for name in ("y", "s"):
+        assert one.anchor_shape(name) == many.anchor_shape(name)
 
 
 def test_config_shapes_use_its_factors():

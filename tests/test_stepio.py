@@ -65,7 +65,7 @@ def test_construction_reports_every_bad_anchor():
     found = dict(errors(info))
     assert "does not divide batches_per_step=4" in found["anchors.a"]
     assert "not valid for pipelined models" in found["anchors.b"]
-    assert "Invalid anchor return type ID supplied: 'Allish'" in found["anchors.c"]
+    assert "Invalid anchor return type ID supplied: Allish" in found["anchors.c"]
 
 
 def test_shapes_and_allocation():
@@ -125,9 +125,20 @@ def test_from_samples_refuses_wrong_sizes_with_the_factors():
         io.from_samples({"x": np.zeros((10, 16), np.float32)})
     (loc, msg), = errors(info)
     assert loc == "inputs.x"
-    assert "holds 160 elements" in msg
-    assert "bps=4 × A=2 × R=2 × nelms(S=(8, 16))=128 = 2048" in msg
-    assert "16 micro-batches of (8, 16)" in msg
+    assert "has shape (10, 16) (160 elements)" in msg
+    assert "bps=4 × A=2 × R=2 × nelms(S=(8, 16))=128 = 2048 elements, ending in axes (16,)" in msg
+    assert "pass exactly 16 micro-batches of (8, 16) (e.g. shape (128, 16))" in msg
+
+
+def test_from_samples_refuses_rows_of_the_wrong_width():
+    io = factory(config(bps=1, acc=1, local=2), x=pk.TensorSpec((3, 2)))
+    with pytest.raises(ValidationError, match="ending in axes \\(2,\\)"):
+        io.from_samples({"x": np.zeros((2, 2, 3), np.float32)})  # 12 elements, wrong rows
+
+
+def test_from_samples_of_empty_tensors():
+    io = factory(config(bps=2, acc=1, local=1), x=pk.TensorSpec((0, 3)))
+    assert io.from_samples({"x": np.zeros((0, 3), np.float32)})["x"].shape == (2, 0, 3)
 
 
 def test_from_samples_never_copies_a_strided_array():
@@ -147,6 +158,7 @@ def test_from_samples_never_copies_a_strided_array():
     ((1, 4, 2, 2, 8, 16), "leading factors equal to 1 are left out"),
     ((2, 4, 2, 8, 16), "same number of elements"),
     ((4, 2, 2, 128), "rank 4, expected 5"),
+    ((4, 2, 2, 8, 16, 1), "rank 6, expected 5"),  # a trailing 1 is not a leading factor
 ])
 def test_check_inputs_says_which_axis_is_wrong(given_shape, why):
     io = factory(config(bps=4, acc=2, local=2))
@@ -171,6 +183,40 @@ def test_check_inputs_reports_every_problem_at_once():
     assert [loc for loc, _ in found] == ["inputs.w", "inputs.extra", "inputs.x", "inputs.m"]
     assert "input 'x' has dtype float64, expected float32" in found[2][1]
     assert "not C-contiguous" in found[3][1]
+
+
+def test_check_inputs_of_scalar_tensors():
+    io = factory(config(bps=1, acc=1, local=1), s=pk.TensorSpec(()))
+    io.check_inputs({"s": np.array(0.5, np.float32)})
+    with pytest.raises(ValidationError, match="leading factors equal to 1 are left out"):
+        io.check_inputs({"s": np.array([0.5], np.float32)})
+
+
+def test_check_anchors_names_every_n_factor():
+    io = pk.StepIOFactory(config(bps=4, acc=1, local=1),
+                          anchors={"y": (pk.TensorSpec((3,)), ("EveryN", 2))})
+    with pytest.raises(ValidationError) as info:
+        io.check_anchors({"y": np.zeros((4, 3), np.float32)})
+    assert "axis 0 (batches_per_step/N) is 4, expected 2; expected [bps/N=2] + S=(3,)" in str(
+        info.value)
+
+
+def test_dotted_tensor_names_stay_whole():
+    io = pk.StepIOFactory(config(), inputs={"fc1.weight": pk.TensorSpec((2,))})
+    with pytest.raises(ValidationError) as info:
+        io.check_inputs({})
+    assert info.value.errors()[0]["loc"] == ("inputs", "fc1.weight")
+
+
+def test_every_n_with_explicit_main_loops_is_refused():
+    cfg = config(bps=4, popart_options={"enableExplicitMainLoops": True, "useHostCopyOps": True})
+    with pytest.raises(ValidationError, match="explicit main loops do not support"):
+        pk.StepIOFactory(cfg, anchors={"y": (pk.TensorSpec((2,)), ("EveryN", 2))})
+
+
+def test_tensor_specs_hold_numbers():
+    with pytest.raises(ValueError, match="host tensors are numbers or booleans"):
+        pk.TensorSpec((2,), object)
 
 
 def test_check_inputs_refuses_non_arrays():
@@ -248,6 +294,9 @@ def test_replica_views():
         assert np.array_equal(view, x[:, :, r])
     with pytest.raises(ValueError, match="replica 4 does not exist: this instance runs 4"):
         io.replica({"x": x}, 4)
+    with pytest.raises(ValueError, match="replica True does not exist"):
+        io.replica({"x": x}, True)
+    assert np.array_equal(io.replica({"x": x}, np.int64(2))["x"], x[:, :, 2])
 
 
 def test_replica_of_a_scalar_tensor_is_a_view():
@@ -311,6 +360,22 @@ def test_batches_refuse_what_samples_cannot_feed():
         next(io.batches([np.zeros(4)] * 2))
 
 
+@pytest.mark.parametrize("values, dtype, fits", [
+    ([1.7, -2.9], "int32", False),    # no silent truncation
+    ([300, 2], "uint8", False),       # no silent wrap-around
+    ([3, 4], "int32", True),          # Python ints fit
+    ([0.5, 1.5], "float16", True),    # floats narrow within their kind
+])
+def test_batches_refuse_samples_that_change_value(values, dtype, fits):
+    io = pk.StepIOFactory(config(bps=1, acc=1, local=1), inputs={"v": pk.TensorSpec((2,), dtype)})
+    run = io.batches([{"v": v} for v in values])
+    if fits:
+        assert next(run)["v"].dtype == dtype
+    else:
+        with pytest.raises(ValueError, match=f"do not fit {dtype} without changing values"):
+            next(run)
+
+
 # -- callback feeding ----------------------------------------------------------------------------
 
 
@@ -335,7 +400,7 @@ def test_feeder_order_wraps_around_and_handles_empty_and_scalar_tensors():
         for r in range(2):
             feeder.output("y")[...] = 10 * run + r
             feeder.output_complete("y")
-        assert set(feeder.remaining.values()) == {4, 2}
+        assert feeder.remaining == {"x": 4, "e": 4, "s": 4, "y": 2}
     assert np.array_equal(anchors["y"], [10, 11])
     with pytest.raises(KeyError, match="PopART asked for input 'z'"):
         feeder.input("z", prefetch=False)
