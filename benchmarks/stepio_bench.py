@@ -1,14 +1,14 @@
 """StepIOFactory costs against one memcpy of the same bytes, measured in the same run.
 
-    python benchmarks/stepio_bench.py [--sizes-mib 1 32 256] [--repeat 5]
+    python benchmarks/stepio_bench.py [--sizes-mib 1 32 256] [--repeat 15]
 
 For each size (bytes of one instance's input per run) it times from_samples, check_inputs,
 replica (all local replicas) and shard (this instance's share of 2 instances' data) and prints
 each against ``numpy.copyto`` of the bytes that operation hands over (the whole run for the view
 operations, the shard for shard) into a buffer already in use; ``shard`` allocates its result,
 so it is measured against a copy into new memory (first-touch page faults in both), while
-``shard out=`` fills this instance's arrays reused run after run. Targets: views cost microseconds whatever the size; shard within 1.25x of one memcpy of the
-shard's bytes.
+``shard out=`` fills this instance's arrays reused run after run. Targets: views cost
+microseconds whatever the size; shard within 1.25x of one memcpy of the shard's bytes.
 """
 
 from __future__ import annotations
