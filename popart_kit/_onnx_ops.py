@@ -69,7 +69,9 @@ class OpSignature:
                 params.append(inspect.Parameter("args", kind))
             if self.variable_outputs:
                 params.append(inspect.Parameter("num_outputs", kind))
-            for name, _, required, default in self.attributes:
+            for name, attr_type, required, default in self.attributes:
+                # PopART asks for ConstantOfShape's value tensor (a numpy array) explicitly
+                required = required or attr_type == onnx.AttributeProto.TENSOR
                 params.append(inspect.Parameter(name, kind) if required
                               else inspect.Parameter(name, kind, default=default))
         params.append(inspect.Parameter("debugContext", kind, default=""))

@@ -88,3 +88,53 @@ def test_console_script_runs(args):
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout
+
+
+def _pipelined_model(path: Path, stage_to_ipu=(0, 1, 2)) -> Path:
+    import popart_kit as pk
+
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b, list(stage_to_ipu))
+    t = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    for _ in stage_to_ipu:
+        with pb.next_stage():
+            t = b.aiOnnx.relu([t])
+    b.saveModelProto(str(path))
+    return path
+
+
+def test_check_prints_the_allocation(tmp_path, capsys):
+    model = _pipelined_model(tmp_path / "m.onnx")
+    assert main(["check", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "Device allocation: 3 forward stages" in out
+    assert "depth 3 in inference, 5 in training" in out
+
+
+def test_check_against_a_config(tmp_path, capsys):
+    model = _pipelined_model(tmp_path / "m.onnx")
+    good = tmp_path / "good.toml"
+    good.write_text('mode = "training"\nipus_per_replica = 4\n[accumulation]\nfactor = 8\n'
+                    '[pipeline]\nenabled = true\n')
+    assert main(["check", str(model), "--config", str(good)]) == 0
+    assert "fits" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "training"\nipus_per_replica = 2\n[accumulation]\nfactor = 4\n'
+                   '[pipeline]\nenabled = true\n')
+    assert main(["check", str(model), "--config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "IPU(s) [2]" in err and "below the pipeline depth 5" in err
+
+
+def test_check_reports_a_broken_model(tmp_path, capsys):
+    model = _pipelined_model(tmp_path / "m.onnx", stage_to_ipu=(1, 0, 2))
+    import onnx
+
+    proto = onnx.load(model)
+    for attr in proto.graph.node[1].attribute:
+        if attr.name == "__pipeline_stage":
+            attr.i = 0  # stage 0 on IPUs 1 and 0
+    onnx.save(proto, model)
+    assert main(["check", str(model)]) == 1
+    assert "stage 0 has ops on IPUs [0, 1]" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "none.onnx")]) == 1
