@@ -41,7 +41,7 @@ def test_every_ai_onnx_method_has_popart_s_signature(version):
 
 
 def test_default_opset_is_popart_s():
-    assert pk.builder.DEFAULT_AI_ONNX_OPSET == OPS["default_ai_onnx_opset"]
+    assert OPS["default_ai_onnx_opset"] == pk.builder.DEFAULT_AI_ONNX_OPSET
 
 
 @pytest.mark.parametrize("method", ["nllloss", "identityloss", "gelu"])
