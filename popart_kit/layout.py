@@ -43,7 +43,7 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
 
 @dataclass(frozen=True)
 class StagedOp:
-    """One node: its name (or op type and index), outputs, stage and IPU when annotated."""
+    """One node: its name (else its first output), tensors, stage and IPU when annotated."""
 
     name: str
     op_type: str
@@ -89,7 +89,8 @@ class PipelineLayout:
         for index, node in enumerate(proto.graph.node):
             if node.op_type in _NOT_OPS:
                 continue
-            ops.append(StagedOp(node.name or f"{node.op_type}#{index}", node.op_type,
+            label = node.name or (node.output[0] if node.output else f"{node.op_type}#{index}")
+            ops.append(StagedOp(label, node.op_type,
                                 tuple(i for i in node.input if i), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH)))
