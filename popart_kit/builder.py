@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Iterator, Sequence
+import inspect
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,8 +121,8 @@ class TensorInfo:
 class _Scope:
     """A context manager that pushes an attribute value for the nodes created inside it."""
 
-    def __init__(self, builder: Builder, attribute: str, value: int) -> None:
-        self._builder, self._attribute, self._value = builder, attribute, int(value)
+    def __init__(self, builder: Builder, attribute: str, value: int | str) -> None:
+        self._builder, self._attribute, self._value = builder, attribute, value
 
     def __enter__(self) -> _Scope:
         self._builder._scopes.setdefault(self._attribute, []).append(self._value)
@@ -128,6 +130,75 @@ class _Scope:
 
     def __exit__(self, *exc: object) -> None:
         self._builder._scopes[self._attribute].pop()
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return operator.index(value)
+
+
+def _overload(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              *overloads: tuple[inspect.Signature, dict[str, Callable[[Any], bool]]]
+              ) -> dict[str, Any]:
+    """The arguments of the first overload that binds and whose argument checks pass, as
+    pybind11 picks among PopART's overloads; TypeError listing them when none does."""
+    for signature, checks in overloads:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        if all(check(bound.arguments[name]) for name, check in checks.items()):
+            return dict(bound.arguments)
+    shown = "; ".join(f"{method}{sig}" for sig, _ in overloads)
+    raise TypeError(f"{method}(): no overload takes these arguments. PopART's: {shown}")
+
+
+def _signature(*names: str, **defaults: Any) -> inspect.Signature:
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind, default=defaults[n]) if n in defaults
+                              else inspect.Parameter(n, kind) for n in names])
+
+
+def _is_info(v: Any) -> bool:
+    return isinstance(v, TensorInfo)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_settings(v: Any) -> bool:
+    return isinstance(v, InputSettings)
+
+
+def _is_count(v: Any) -> bool:
+    return not isinstance(v, bool) and hasattr(v, "__index__")
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, set | list | tuple) and all(
+        isinstance(i, str) for i in v))
+
+
+_ADD_INPUT = (
+    (_signature("tensorInfo", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "debugContext": _is_str}),
+    (_signature("tensorInfo", "settings", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "settings": _is_settings, "debugContext": _is_str}),
+    (_signature("dataType", "shape", "debugContext", debugContext=""),
+     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str), "debugContext": _is_str}),
+    (_signature("dataType", "shape", "settings", "debugContext", debugContext=""),
+     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str),
+      "settings": _is_settings, "debugContext": _is_str}),
+)
+_PIPELINE_STAGE = ((_signature("nodeOutputNames", "value", value=0),
+                    {"nodeOutputNames": _is_str, "value": _is_count}),
+                   (_signature("value"), {"value": _is_count}))
+_VIRTUAL_GRAPH = ((_signature("nodeOutputNames", "value", value=0),
+                   {"nodeOutputNames": _is_ids, "value": _is_count}),
+                  (_signature("value"), {"value": _is_count}))
 
 
 class _AiOnnx:
@@ -154,8 +225,8 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
     values = dict(bound.arguments)
     name = values.pop("debugContext")
     if op.op_type == "Constant":
-        attrs = {"value": numpy_helper.from_array(np.ascontiguousarray(values["value"]))}
-        return builder._add_node("Constant", [], 1, attrs, name)[0]
+        value = numpy_helper.from_array(np.require(values["value"], requirements="C"))
+        return builder._add_node("Constant", [], 1, {"value": value}, name, data=value)[0]
     inputs = list(values.pop("args", []))
     outputs = values.pop("num_outputs", op.fixed_outputs)
     attrs = {}
@@ -164,7 +235,7 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
         if value is None or (isinstance(value, list | str) and not value):
             continue
         if attr_type == onnx.AttributeProto.TENSOR:
-            value = numpy_helper.from_array(np.asarray(value))
+            value = numpy_helper.from_array(np.require(value, requirements="C"))
         elif op.op_type == "Cast" and attr_name == "to":
             value = _DTYPES[_dtype_name(value)]
         attrs[attr_name] = value
@@ -185,15 +256,19 @@ class _AiGraphcore:
         reduction = ReductionType(reduction) if not isinstance(reduction, ReductionType) \
             else reduction
         attrs["reduction"] = reduction.attribute
+        # Scalars, or with NoReduction the shape of the input (the label's for Nll).
+        source = list(args)[-1] if op_type == "Nll" else list(args)[0]
+        shaped_like = source if reduction is ReductionType.NoReduction else None
         return self._builder._add_node(op_type, list(args), 1, attrs, debugContext,
-                                       domain=AI_GRAPHCORE, loss=reduction)[0]
+                                       domain=AI_GRAPHCORE,
+                                       custom_type=(list(args)[0], shaped_like))[0]
 
     def l1loss(self, args: Sequence[str], *rest: Any, **kwargs: Any) -> str:
         """``l1loss(args, lambda, reduction=ReductionType.Mean, debugContext="")``."""
         names = ("lambda", "reduction", "debugContext")
         given = dict(zip(names, rest, strict=False)) | kwargs
         unknown = set(given) - set(names)
-        if unknown or "lambda" not in given:
+        if unknown or "lambda" not in given or len(rest) > len(names):
             raise TypeError(f"l1loss(args, lambda, reduction=ReductionType.Mean, "
                             f"debugContext=''): got {sorted(given)}")
         return self._loss("L1", args, given.get("reduction", ReductionType.Mean),
@@ -204,7 +279,7 @@ class _AiGraphcore:
                 debugContext: str = "") -> str:
         attrs: dict[str, Any] = {"inputIsLogProbability": int(inputIsLogProbability)}
         if ignoreIndex is not None:
-            attrs["ignoreIndex"] = int(ignoreIndex)
+            attrs["ignoreIndex"] = _count(ignoreIndex)
         return self._loss("Nll", args, reduction, debugContext, **attrs)
 
     def identityloss(self, args: Sequence[str], reduction: ReductionType = ReductionType.Mean,
@@ -212,8 +287,9 @@ class _AiGraphcore:
         return self._loss("IdentityLoss", args, reduction, debugContext)
 
     def gelu(self, args: Sequence[str], debugContext: str = "") -> str:
+        source = list(args)[0]
         return self._builder._add_node("Gelu", list(args), 1, {}, debugContext,
-                                       domain=AI_GRAPHCORE)[0]
+                                       domain=AI_GRAPHCORE, custom_type=(source, source))[0]
 
 
 class Builder:
@@ -228,11 +304,10 @@ class Builder:
         self._onnx_version = int(opsets.get("ai.onnx", DEFAULT_AI_ONNX_OPSET))
         self._graph = helper.make_graph([], "BuilderGraph", [], [])
         self._metadata: dict[str, str] = {}
-        self._ids: set[str] = set()
-        self._scopes: dict[str, list[int]] = {}
-        self._loss_shapes: dict[str, tuple[str, ReductionType, str]] = {}
+        self._types: dict[str, onnx.TypeProto] = {}   # every tensor's type, inferred as built
+        self._data: dict[str, onnx.TensorProto] = {}  # constants and initializers
+        self._scopes: dict[str, list[Any]] = {}
         self._uses_graphcore = False
-        self._inferred: tuple[int, dict[str, onnx.ValueInfoProto]] | None = None
         self.aiOnnx = _AiOnnx(self, self._onnx_version)
         self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
 
@@ -248,34 +323,70 @@ class Builder:
 
     # -- ids and nodes ------------------------------------------------------------------------
 
-    def _next_id(self, base: str) -> str:
+    def _next_id(self, name: str) -> str:
+        """PopART's unique ids: name scopes, then the name, then "/1", "/2"... if taken."""
+        base = self.getNameScope(name)
         proposed, counter = base, 0
-        while proposed in self._ids:
+        while proposed in self._types:
             counter += 1
             proposed = f"{base}{_DELIMITER}{counter}"
-        self._ids.add(proposed)
         return proposed
 
     def _add_node(self, op_type: str, inputs: list[str], outputs: int, attrs: dict[str, Any],
-                  name: str, domain: str = "", loss: ReductionType | None = None) -> list[str]:
-        missing = [t for t in inputs if t and t not in self._ids]
-        if missing:
-            raise BuilderError(f"{op_type}: input tensor(s) {missing} do not exist in this "
-                               f"builder.")
-        base = name or op_type
-        ids = [self._next_id(f"{base}:{i}") for i in range(outputs)]
-        for attribute, stack in self._scopes.items():
-            if stack:
-                attrs[attribute] = stack[-1]
-        node = helper.make_node(op_type, inputs, ids, name=name or None, domain=domain or None,
+                  name: str, domain: str = "", data: onnx.TensorProto | None = None,
+                  custom_type: tuple[str, str | None] | None = None) -> list[str]:
+        """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
+        mistake fails here, naming the op."""
+        unknown = [t for t in inputs if t not in self._types]
+        if unknown:
+            raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
+                               f"of this builder.")
+        for attribute in (PIPELINE_STAGE, VIRTUAL_GRAPH):
+            if self._scopes.get(attribute):
+                attrs[attribute] = self._scopes[attribute][-1]
+        ids = []
+        for i in range(outputs):
+            ids.append(self._next_id(f"{op_type}:{i}"))
+            self._types[ids[-1]] = onnx.TypeProto()  # reserve the id
+        # PopART names a node only when given a name or inside a name scope
+        node_name = (self.getNameScope(name or op_type)
+                     if name or self._scopes.get("name") else None)
+        node = helper.make_node(op_type, inputs, ids, name=node_name, domain=domain or None,
                                 **attrs)
+        try:
+            types = (self._custom_types(ids[0], custom_type) if custom_type else
+                     self._infer(node, domain))
+        except onnx.shape_inference.InferenceError as err:
+            for tensor in ids:
+                del self._types[tensor]
+            raise BuilderError(f"{op_type} on {inputs}: {err}") from None
+        self._types.update(types)
         self._graph.node.append(node)
+        if data is not None:
+            self._data[ids[0]] = data
         if domain == AI_GRAPHCORE:
             self._uses_graphcore = True
-        if loss is not None:
-            self._loss_shapes[ids[0]] = (op_type, loss, inputs[-1] if op_type == "Nll"
-                                         else inputs[0])
         return ids
+
+    def _infer(self, node: onnx.NodeProto, domain: str) -> dict[str, onnx.TypeProto]:
+        schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
+        inputs = {t: self._types[t] for t in node.input}
+        data = {t: self._data[t] for t in node.input if t in self._data}
+        return dict(onnx.shape_inference.infer_node_outputs(
+            schema, node, inputs, data or None,
+            opset_imports=[helper.make_opsetid("", self._onnx_version)]))
+
+    def _custom_types(self, output: str, custom: tuple[str, str | None]
+                      ) -> dict[str, onnx.TypeProto]:
+        """PopART ops ONNX cannot infer: the first input's dtype; a scalar, or the shape of
+        ``shaped_like``."""
+        dtype_source, shaped_like = custom
+        dtype = self._types[dtype_source].tensor_type.elem_type
+        if shaped_like is None:
+            return {output: helper.make_tensor_type_proto(dtype, [])}
+        like = self._types[shaped_like].tensor_type
+        shape = [d.dim_value for d in like.shape.dim] if like.HasField("shape") else None
+        return {output: helper.make_tensor_type_proto(dtype, shape)}
 
     def _node(self, nodeOutputNames: str | Sequence[str]) -> onnx.NodeProto:
         wanted = {nodeOutputNames} if isinstance(nodeOutputNames, str) else set(nodeOutputNames)
@@ -287,48 +398,39 @@ class Builder:
 
     # -- inputs and outputs -------------------------------------------------------------------
 
-    def addInputTensor(self, tensorInfo: TensorInfo | str, *args: Any,
-                       **kwargs: Any) -> str:
-        """``addInputTensor(tensorInfo, settings=InputSettings(), debugContext="")`` or
-        ``addInputTensor(dataType, shape, debugContext="")``."""
-        if isinstance(tensorInfo, TensorInfo):
-            params = ("settings", "debugContext")
-            info = tensorInfo
-        else:
-            params = ("shape", "settings", "debugContext")
-        given = dict(zip(params, args, strict=False)) | kwargs
-        if set(given) - set(params):
-            raise TypeError(f"addInputTensor: unexpected {sorted(set(given) - set(params))}")
-        if not isinstance(tensorInfo, TensorInfo):
-            if "shape" not in given:
-                raise TypeError("addInputTensor(dataType, shape, debugContext='') needs a shape")
-            info = TensorInfo(tensorInfo, given["shape"])
-        tensor_id = self._next_id(given.get("debugContext") or "input")
-        self._graph.input.append(helper.make_tensor_value_info(
-            tensor_id, _DTYPES[info.dataType()], info.shape()))
-        settings = given.get("settings")
-        if isinstance(settings, InputSettings) and isinstance(tensorInfo, TensorInfo):
-            # PopART's (dataType, shape, settings) overload drops the settings: so do we.
-            self._metadata[f"__replicated_stream_mode/{tensor_id}"] = str(
-                settings.replicatedStreamMode().value)
+    def addInputTensor(self, *args: Any, **kwargs: Any) -> str:
+        """PopART's overloads: ``(tensorInfo, debugContext="")``, ``(tensorInfo, settings,
+        debugContext="")``, ``(dataType, shape, debugContext="")`` and ``(dataType, shape,
+        settings, debugContext="")`` - the last drops its settings, as PopART's does."""
+        given = _overload("addInputTensor", args, kwargs, *_ADD_INPUT)
+        info = given.get("tensorInfo") or TensorInfo(given["dataType"], given["shape"])
+        settings = given.get("settings") if "tensorInfo" in given else None
+        tensor_id = self._next_id(given["debugContext"] or "input")
+        value = helper.make_tensor_value_info(tensor_id, _DTYPES[info.dataType()], info.shape())
+        self._graph.input.append(value)
+        self._types[tensor_id] = value.type
+        mode = (settings or InputSettings()).replicatedStreamMode()
+        self._metadata[f"__replicated_stream_mode/{tensor_id}"] = str(mode.value)
         return tensor_id
 
     def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
-        array = np.ascontiguousarray(initVal)
+        array = np.require(initVal, requirements="C")
         tensor_id = self._next_id(debugContext or "init_input")
         tensor = numpy_helper.from_array(array, tensor_id)
-        self._graph.input.append(helper.make_tensor_value_info(
-            tensor_id, tensor.data_type, list(array.shape)))
+        value = helper.make_tensor_value_info(tensor_id, tensor.data_type, list(array.shape))
+        self._graph.input.append(value)
         self._graph.initializer.append(tensor)
+        self._types[tensor_id] = value.type
+        self._data[tensor_id] = tensor
         return tensor_id
 
     def addOutputTensor(self, outputName: str) -> None:
-        if outputName not in self._ids:
+        if outputName not in self._types:
             raise BuilderError(f"addOutputTensor: {outputName!r} is not a tensor of this "
                                f"builder.")
-        info = self._value_info(outputName)
-        self._graph.output.append(info if info is not None else helper.make_tensor_value_info(
-            outputName, onnx.TensorProto.UNDEFINED, None))
+        value = onnx.ValueInfoProto(name=outputName)
+        value.type.CopyFrom(self._types[outputName])
+        self._graph.output.append(value)
 
     def getInputTensorIds(self) -> list[str]:
         return [i.name for i in self._graph.input]
@@ -345,7 +447,13 @@ class Builder:
         return opsets
 
     def _proto(self) -> onnx.ModelProto:
-        model = helper.make_model(self._graph, opset_imports=self._opsets(),
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self._graph)
+        known = {v.name for v in (*graph.input, *graph.output)}
+        for tensor, type_proto in self._types.items():
+            if tensor not in known and type_proto.HasField("tensor_type"):
+                graph.value_info.append(onnx.ValueInfoProto(name=tensor, type=type_proto))
+        model = helper.make_model(graph, opset_imports=self._opsets(),
                                   producer_name="popart_kit")
         model.ir_version = helper.find_min_ir_version_for(self._opsets(), ignore_unknown=True)
         helper.set_model_props(model, self._metadata)
@@ -358,39 +466,24 @@ class Builder:
     def saveModelProto(self, filename: str) -> None:
         onnx.save(self._proto(), filename)
 
-    def _value_info(self, tensor_id: str) -> onnx.ValueInfoProto | None:
-        """Type and shape of a tensor, from ONNX shape inference (cached per graph size).
-
-        ONNX cannot infer PopART's losses; they are scalars, or keep their input's shape with
-        NoReduction, so their types are added and inference runs again past them."""
-        stamp = len(self._graph.node) + len(self._graph.input)
-        if self._inferred is None or self._inferred[0] != stamp:
-            model = self._proto()
-            table = _infer(model)
-            for loss_id, (_, reduction, source) in self._loss_shapes.items():
-                known = table.get(source)
-                dtype = known.type.tensor_type.elem_type if known else onnx.TensorProto.FLOAT
-                shape: list[int] | None = []
-                if reduction is ReductionType.NoReduction:
-                    shape = ([d.dim_value for d in known.type.tensor_type.shape.dim]
-                             if known and known.type.tensor_type.HasField("shape") else None)
-                model.graph.value_info.append(helper.make_tensor_value_info(loss_id, dtype,
-                                                                            shape))
-            self._inferred = (stamp, _infer(model) if self._loss_shapes else table)
-        return self._inferred[1].get(tensor_id)
+    def _tensor_type(self, tensor_id: str) -> onnx.TypeProto.Tensor:
+        if tensor_id not in self._types:
+            raise BuilderError(f"{tensor_id!r} is not a tensor of this builder.")
+        return self._types[tensor_id].tensor_type
 
     def getTensorShape(self, id: str) -> list[int]:  # noqa: A002 - PopART's parameter name
-        info = self._value_info(id)
-        if info is None or not info.type.tensor_type.HasField("shape"):
+        tensor = self._tensor_type(id)
+        if not tensor.HasField("shape") or any(not d.HasField("dim_value")
+                                               for d in tensor.shape.dim):
             raise BuilderError(f"the shape of {id!r} is not known (ONNX shape inference could "
-                               f"not determine it).")
-        return [d.dim_value for d in info.type.tensor_type.shape.dim]
+                               f"not determine it from the op's inputs).")
+        return [d.dim_value for d in tensor.shape.dim]
 
     def getTensorDtypeString(self, id: str) -> str:  # noqa: A002
-        info = self._value_info(id)
-        if info is None or not info.type.tensor_type.elem_type:
+        tensor = self._tensor_type(id)
+        if not tensor.elem_type:
             raise BuilderError(f"the data type of {id!r} is not known.")
-        return onnx.TensorProto.DataType.Name(info.type.tensor_type.elem_type).lower()
+        return onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
 
     # -- attributes -----------------------------------------------------------------------------
 
@@ -399,7 +492,11 @@ class Builder:
         node = self._node(nodeOutputNames)
         if any(a.name == attributeName for a in node.attribute):
             raise BuilderError(f"Node already has attribute {attributeName}.")
-        node.attribute.append(helper.make_attribute(attributeName, attributeValue))
+        if isinstance(attributeValue, list | tuple) and not attributeValue:
+            attribute = helper.make_attribute(attributeName, [], attr_type=onnx.AttributeProto.INTS)
+        else:
+            attribute = helper.make_attribute(attributeName, attributeValue)
+        node.attribute.append(attribute)
 
     def nodeHasAttribute(self, attributeName: str, nodeOutputNames: str | Sequence[str]) -> bool:
         return any(a.name == attributeName for a in self._node(nodeOutputNames).attribute)
@@ -413,29 +510,30 @@ class Builder:
                 return int(attr.i)
         raise BuilderError(f"Node does not have an attribute {attributeName}.")
 
-    def _scope_or_set(self, attribute: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> _Scope | None:
-        names = ("nodeOutputNames", "value")
-        given = dict(zip(names, args, strict=False)) | kwargs
-        if set(given) - set(names) or not given:
-            raise TypeError(f"expected (nodeOutputNames, value=0) or (value), got {given}")
-        if "nodeOutputNames" in given and isinstance(given["nodeOutputNames"], int) and (
-                "value" not in given):
-            return _Scope(self, attribute, given["nodeOutputNames"])  # (value): a context
-        if "nodeOutputNames" not in given:
-            return _Scope(self, attribute, given["value"])
-        self.addNodeAttribute(attribute, int(given.get("value", 0)), given["nodeOutputNames"])
-        return None
-
     def pipelineStage(self, *args: Any, **kwargs: Any) -> _Scope | None:
         """``pipelineStage(nodeOutputName, value=0)`` sets a node's stage;
         ``with pipelineStage(value):`` stages every node created inside."""
-        return self._scope_or_set(PIPELINE_STAGE, args, kwargs)
+        given = _overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE)
+        if "nodeOutputNames" not in given:
+            return _Scope(self, PIPELINE_STAGE, _count(given["value"]))
+        self.addNodeAttribute(PIPELINE_STAGE, _count(given["value"]), given["nodeOutputNames"])
+        return None
 
     def virtualGraph(self, *args: Any, **kwargs: Any) -> _Scope | None:
         """``virtualGraph(nodeOutputNames, value=0)`` places a node on an IPU;
         ``with virtualGraph(value):`` places every node created inside."""
-        return self._scope_or_set(VIRTUAL_GRAPH, args, kwargs)
+        given = _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH)
+        if "nodeOutputNames" not in given:
+            return _Scope(self, VIRTUAL_GRAPH, _count(given["value"]))
+        self.addNodeAttribute(VIRTUAL_GRAPH, _count(given["value"]), given["nodeOutputNames"])
+        return None
+
+    def nameScope(self, name: str) -> _Scope:
+        """``with nameScope(name):`` prefixes the ids and node names created inside."""
+        return _Scope(self, "name", name)
+
+    def getNameScope(self, name: str = "") -> str:
+        return "".join(f"{scope}{_DELIMITER}" for scope in self._scopes.get("name", ())) + name
 
     def _scope_value(self, attribute: str, what: str) -> int:
         stack = self._scopes.get(attribute)
@@ -456,12 +554,6 @@ class Builder:
 
     def hasVirtualGraph(self) -> bool:
         return bool(self._scopes.get(VIRTUAL_GRAPH))
-
-
-def _infer(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    return {v.name: v for v in (*inferred.graph.input, *inferred.graph.value_info,
-                                *inferred.graph.output)}
 
 
 class PipelineBuilder:

@@ -4,6 +4,9 @@ PopART reads ``__pipeline_stage`` and ``__ipu_number`` node attributes (INT) and
 after the model is loaded, one rule at a time (shared/reference/popart-stepio-builder.md §5).
 This module reads them from a ModelProto, bytes or a path, checks every rule at once, computes
 the forward stages and the depth PopART runs, and renders the device allocation.
+
+Rule ids: ``V<n>`` is rule n of shared/reference/popart-session-options.md §2, ``P<n>`` rule n of
+shared/reference/popart-stepio-builder.md §5, ``K-...`` popart_kit's own.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import onnx
+from google.protobuf.message import DecodeError
 
 from ._problems import Problem, emit_warnings, raise_errors
 
@@ -34,11 +38,16 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path."""
     if isinstance(model, onnx.ModelProto):
         return model
-    if isinstance(model, bytes | bytearray):
-        return onnx.load_from_string(bytes(model))
-    if isinstance(model, str | os.PathLike):
+    if not isinstance(model, bytes | bytearray | str | os.PathLike):
+        raise TypeError(f"expected an onnx.ModelProto, bytes or a path, got "
+                        f"{type(model).__name__}")
+    try:
+        if isinstance(model, bytes | bytearray):
+            return onnx.load_from_string(bytes(model))
         return onnx.load(os.fspath(model))
-    raise TypeError(f"expected an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
+    except DecodeError as err:
+        where = "these bytes" if isinstance(model, bytes | bytearray) else os.fspath(model)
+        raise ValueError(f"{where} is not an ONNX model ({err}).") from None
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,11 @@ class StagedOp:
 def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:
     for attr in node.attribute:
         if attr.name == name:
-            return int(onnx.helper.get_attribute_value(attr))
+            if attr.type != onnx.AttributeProto.INT:
+                kind = onnx.AttributeProto.AttributeType.Name(attr.type)
+                raise ValueError(f"node {node.name or node.output[0]!r}: {name} is a {kind} "
+                                 f"attribute; PopART reads an INT. Fix: write one integer.")
+            return int(attr.i)
     return None
 
 
@@ -77,8 +90,9 @@ def _merged_depth(ipus: Sequence[int]) -> int:
 class PipelineLayout:
     """Stages and IPUs of a model's ops; construction reports every rule the model breaks."""
 
-    def __init__(self, ops: Sequence[StagedOp]) -> None:
+    def __init__(self, ops: Sequence[StagedOp], weights: Sequence[str] = ()) -> None:
         self.ops = tuple(ops)
+        self.weights = frozenset(weights)  # the model's initializers: PopART's variables
         self.inferred = False
         raise_errors("PipelineLayout", self._model_problems())
 
@@ -94,7 +108,7 @@ class PipelineLayout:
                                 tuple(i for i in node.input if i), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH)))
-        return cls(ops)
+        return cls(ops, [t.name for t in proto.graph.initializer])
 
     # -- the model's own rules ----------------------------------------------------------------
 
@@ -117,7 +131,7 @@ class PipelineLayout:
         if negative:
             out.append(Problem(_STAGE_LOC, f"negative stage or IPU on "
                                                  f"{_names([op.name for op in negative])}.",
-                               "number stages and IPUs from 0.", "V11"))
+                               "number stages and IPUs from 0.", "P11"))
         if out:
             return out
         if not staged and placed:
@@ -125,10 +139,13 @@ class PipelineLayout:
         stages = sorted({self._stage(op) for op in self.ops if self._stage(op) is not None})
         if stages and stages != list(range(len(stages))):
             gaps = sorted(set(range(stages[-1] + 1)) - set(stages))
+            what = "IPUs (the stages PopART infers)" if self.inferred else "stages"
             out.append(Problem(_STAGE_LOC,
-                               f"the stages used are {stages}: stage {gaps[0]} is missing "
+                               f"the {what} used are {stages}: stage {gaps[0]} is missing "
                                f"(PopART needs stages 0..{len(stages) - 1}).",
-                               "renumber the stages without gaps.", "V12"))
+                               "renumber the IPUs without gaps, or annotate stages explicitly."
+                               if self.inferred else "renumber the stages without gaps.",
+                               "V8"))
         for stage, ipus in sorted(self._ipus_per_stage().items()):
             if len(ipus) > 1:
                 ops = [op.name for op in self.ops if self._stage(op) == stage]
@@ -151,6 +168,14 @@ class PipelineLayout:
                 found.setdefault(stage, set()).add(op.ipu)
         return found
 
+    def _weights_across_ipus(self) -> dict[str, set[int]]:
+        used: dict[str, set[int]] = {}
+        for op in self.ops:
+            for tensor in op.inputs:
+                if tensor in self.weights and op.ipu is not None:
+                    used.setdefault(tensor, set()).add(op.ipu)
+        return {w: ipus for w, ipus in used.items() if len(ipus) > 1}
+
     def _flow_problems(self) -> Iterator[Problem]:
         producer = {t: op for op in self.ops for t in op.outputs}
         for op in self.ops:
@@ -170,7 +195,7 @@ class PipelineLayout:
                         "data must flow to the same or a later stage: move the consumer later "
                         "or the producer earlier" + (" (or annotate stages explicitly)"
                                                      if self.inferred else "") + ".",
-                        "V9" if self.inferred else "V10")
+                        "P9" if self.inferred else "P10")
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -199,7 +224,8 @@ class PipelineLayout:
         f = self.forward_stages
         if f == 0:
             return 0
-        ipus = [self.stage_ipu[s] for s in range(f)]
+        stage_ipu = self.stage_ipu
+        ipus = [stage_ipu[s] for s in range(f)]
         if any(ipu is None for ipu in ipus):
             return 2 * f - 1 if training else f
         sequence = ipus + ipus[-2::-1] if training else ipus
@@ -243,6 +269,12 @@ class PipelineLayout:
                                "annotate stages (PipelineBuilder), or disable pipelining.",
                                "K-layout-unstaged"))
             return out
+        for weight, ipus in sorted(self._weights_across_ipus().items()):
+            out.append(Problem(_IPU_LOC,
+                               f"weight {weight!r} is used on IPUs {sorted(ipus)}: PopART cannot "
+                               f"copy a variable between IPUs when pipelining.",
+                               "keep every op that reads a weight on one IPU (its stages may "
+                               "differ).", "P20"))
         if pipe.stages is not None and pipe.stages != f:
             out.append(Problem("pipeline.stages",
                                f"pipeline.stages={pipe.stages} but the model has {f} forward "

@@ -43,11 +43,23 @@ def test_tensor_ids_follow_popart():
     y = b.addInputTensor("FLOAT", [2])
     w = b.addInitializedInputTensor(np.zeros(2, np.float32))
     named = b.addInputTensor(pk.TensorInfo(np.float32, [2]), debugContext="data")
+    positional = b.addInputTensor(pk.TensorInfo("FLOAT", [2]), "data")  # (tensorInfo, name)
     r1, r2 = b.aiOnnx.relu([x]), b.aiOnnx.relu([y])
-    a = b.aiOnnx.add([r1, w], "sum")
-    assert (x, y, w, named, r1, r2, a) == ("input", "input/1", "init_input", "data", "Relu:0",
-                                           "Relu:0/1", "sum:0")
-    assert b.getInputTensorIds() == ["input", "input/1", "init_input", "data"]
+    a = b.aiOnnx.add([r1, w], "sum")  # a debugContext names the node, not its outputs
+    assert (x, y, w, named, positional, r1, r2, a) == (
+        "input", "input/1", "init_input", "data", "data/1", "Relu:0", "Relu:0/1", "Add:0")
+    assert b.getInputTensorIds() == ["input", "input/1", "init_input", "data", "data/1"]
+    with b.nameScope("encoder"):
+        with b.nameScope("layer0"):
+            assert b.getNameScope("x") == "encoder/layer0/x"
+            inner = b.aiOnnx.relu([a])
+            w2 = b.addInitializedInputTensor(np.zeros(2, np.float32), "w")
+        outer = b.aiOnnx.relu([inner], "act")
+    assert (inner, w2, outer) == ("encoder/layer0/Relu:0", "encoder/layer0/w", "encoder/Relu:0")
+    names = [n.name for n in onnx.load_from_string(b.getModelProto()).graph.node]
+    assert names == ["", "", "sum", "encoder/layer0/Relu", "encoder/act"]
+    with pytest.raises(TypeError, match="no overload takes these arguments"):
+        b.addInputTensor(pk.TensorInfo("FLOAT", [2]), 3)
 
 
 def test_model_is_valid_onnx_with_popart_s_opsets():
@@ -207,8 +219,46 @@ def test_wrong_arguments_fail_like_python_calls():
         b.aiOnnx.softmax([x], axes=1)
     with pytest.raises(TypeError):
         b.aiOnnx.conv()
-    with pytest.raises(pk.BuilderError, match=r"input tensor\(s\) \['nope'\] do not exist"):
+    with pytest.raises(pk.BuilderError, match=r"unknown tensor\(s\) \['nope'\]"):
         b.aiOnnx.relu(["nope"])
+    with pytest.raises(pk.BuilderError, match=r"unknown tensor\(s\) \[''\]"):
+        b.aiOnnx.relu([""])
+
+
+def test_shape_mistakes_fail_when_the_op_is_created():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3]))
+    y = b.addInputTensor(pk.TensorInfo("FLOAT", [4, 5]))
+    with pytest.raises(pk.BuilderError, match="MatMul on .*Incompatible dimensions"):
+        b.aiOnnx.matmul([x, y])
+    assert b.aiOnnx.matmul([x, b.aiOnnx.transpose([x])]) == "MatMul:0"  # the id was not used
+
+
+def test_scalars_stay_scalars():
+    b = pk.Builder()
+    c = b.aiOnnx.constant(np.array(2.0, np.float32))
+    w = b.addInitializedInputTensor(np.array(3, np.int32))
+    assert b.getTensorShape(c) == [] and b.getTensorShape(w) == []
+    got = run(b, [b.aiOnnx.mul([c, c])], {})
+    assert got[0].shape == () and got[0] == 4.0
+
+
+def test_gelu_keeps_its_input_type():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT16", [3, 4]))
+    g = b.aiGraphcore.gelu([x])
+    y = b.aiOnnx.relu([g])
+    assert b.getTensorShape(y) == [3, 4] and b.getTensorDtypeString(g) == "float16"
+    b.addOutputTensor(y)
+    onnx.checker.check_model(onnx.load_from_string(b.getModelProto()), full_check=True)
+
+
+def test_building_is_linear_in_the_number_of_ops():
+    b = pk.Builder()
+    t = b.addInputTensor(pk.TensorInfo("FLOAT", [4, 4]))
+    for _ in range(400):
+        t = b.aiOnnx.relu([t])
+        assert b.getTensorShape(t) == [4, 4]  # no re-inference of the whole model per call
 
 
 @pytest.mark.parametrize("reduction, shape", [(pk.ReductionType.Mean, []),
@@ -244,8 +294,8 @@ def test_broadcast_inputs_are_stored_as_popart_stores_them():
     z = b.addInputTensor("FLOAT", [2], pk.InputSettings(pk.ReplicatedStreamMode.Broadcast))
     props = {p.key: p.value for p in onnx.load_from_string(b.getModelProto()).metadata_props}
     assert props == {f"__replicated_stream_mode/{x}": "0",
-                     f"__replicated_stream_mode/{y}": "1"}
-    assert z not in "".join(props)
+                     f"__replicated_stream_mode/{y}": "1",
+                     f"__replicated_stream_mode/{z}": "1"}
 
 
 # -- the scope API ------------------------------------------------------------------------------
@@ -303,6 +353,18 @@ def test_setters_and_attributes_fail_as_popart_fails():
     with pytest.raises(pk.BuilderError, match="Must specify all outputs of a node"):
         b.pipelineStage(outs[0], 2)
     b.addNodeAttribute("__pipeline_stage", 2, outs)
+    with pytest.raises(TypeError, match="no overload"):
+        b.pipelineStage([c], 1)  # PopART's setter takes one tensor id
+    b.addNodeAttribute("empty", [], c)
+    assert [a.ints for a in b._node(c).attribute if a.name == "empty"] == [[]]
+
+
+def test_scope_values_accept_numpy_integers():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    with b.virtualGraph(np.int64(2)), b.pipelineStage(np.int32(1)):
+        y = b.aiOnnx.relu([x])
+    assert _attrs(b, y) == {"__pipeline_stage": 1, "__ipu_number": 2}
 
 
 # -- PipelineBuilder -------------------------------------------------------------------------------

@@ -138,3 +138,10 @@ def test_check_reports_a_broken_model(tmp_path, capsys):
     assert main(["check", str(model)]) == 1
     assert "stage 0 has ops on IPUs [0, 1]" in capsys.readouterr().err
     assert main(["check", str(tmp_path / "none.onnx")]) == 1
+
+
+def test_check_reports_a_file_that_is_not_a_model(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00 not a protobuf \xff")
+    assert main(["check", str(bad)]) == 1
+    assert "is not an ONNX model" in capsys.readouterr().err

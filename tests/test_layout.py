@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -104,13 +105,13 @@ def test_stages_inferred_from_ipus():
 @pytest.mark.parametrize("model, rule, words", [
     (chain((0, 0), (None, 1)), "V4", "only some ops have a pipeline stage; 1 has none: relu1"),
     (chain((0, 0), (1, None)), "V26", "only some ops have an IPU; 1 has none: relu1"),
-    (chain((0, 0), (2, 1)), "V12", "stage 1 is missing"),
+    (chain((0, 0), (2, 1)), "V8", "stage 1 is missing"),
     (chain((0, 0), (0, 1)), "V5", "stage 0 has ops on IPUs [0, 1]"),
-    (chain((1, 0), (0, 1)), "V10", "tensor 't0' is made by relu0 on stage 1 but consumed by "
+    (chain((1, 0), (0, 1)), "P10", "tensor 't0' is made by relu0 on stage 1 but consumed by "
                                    "relu1 on stage 0"),
-    (chain((None, 1), (None, 0)), "V9", "PopART takes each op's IPU as its stage"),
+    (chain((None, 1), (None, 0)), "P9", "PopART takes each op's IPU as its stage"),
     (chain((0, 0), (1, 1), branch=(0, 0)), None, None),  # a branch in an earlier stage is fine
-    (chain((0, 0), (-1, 1)), "V11", "negative stage or IPU on relu1"),
+    (chain((0, 0), (-1, 1)), "P11", "negative stage or IPU on relu1"),
 ])
 def test_model_rules(model, rule, words):
     if rule is None:
@@ -125,7 +126,7 @@ def test_model_rules(model, rule, words):
 def test_every_model_problem_at_once():
     with pytest.raises(ValidationError) as info:
         PipelineLayout.from_model(chain((0, 0), (0, 1), (3, 2), (2, 2)))
-    assert rules(info) == {"V12", "V5", "V10"}
+    assert rules(info) == {"V8", "V5", "P10"}
 
 
 # -- against a config -----------------------------------------------------------------------------
@@ -184,3 +185,37 @@ def test_allocation_table():
     table = layout.allocation_table()
     assert "Device allocation: 3 forward stages" in table
     assert "relu0 … relu1" in table
+
+
+def test_a_weight_read_on_two_ipus_is_refused_when_pipelining():
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b)
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    with pb.stage(0):
+        t = b.aiOnnx.add([x, w])
+    with pb.stage(1):
+        b.aiOnnx.mul([t, w])
+    layout = pb.layout()
+    cfg = config(ipus_per_replica=2, accumulation={"factor": 4}, pipeline={"enabled": True})
+    with pytest.raises(ValidationError, match="weight 'init_input' is used on IPUs \\[0, 1\\]"):
+        layout.check(cfg)
+    layout.check(config(ipus_per_replica=2))  # not pipelined: PopART copies it
+
+
+def test_unreadable_models_are_refused_with_a_reason(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00 not a protobuf \xff")
+    with pytest.raises(ValueError, match="is not an ONNX model"):
+        PipelineLayout.from_model(bad)
+    model = chain((0, 0))
+    model.graph.node[1].attribute[0].CopyFrom(helper.make_attribute("__pipeline_stage", [0, 1]))
+    with pytest.raises(ValueError, match="__pipeline_stage is a INTS attribute; PopART reads an "
+                                         "INT"):
+        PipelineLayout.from_model(model)
+
+
+def test_a_gap_in_inferred_stages_names_the_ipus():
+    with pytest.raises(ValidationError, match="the IPUs \\(the stages PopART infers\\) used are "
+                                              "\\[0, 2\\]"):
+        PipelineLayout.from_model(chain((None, 0), (None, 2)))

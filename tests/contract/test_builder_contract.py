@@ -67,7 +67,8 @@ def test_l1loss_takes_lambda_as_popart_does():
         b.aiGraphcore.l1loss([x], 0.5, lamda=1.0)
 
 
-BUILDER_METHODS = ["addInputTensor", "addInitializedInputTensor", "addOutputTensor",
+BUILDER_METHODS = ["nameScope", "getNameScope", "addInputTensor", "addInitializedInputTensor",
+                   "addOutputTensor",
                    "getModelProto", "saveModelProto", "getInputTensorIds", "getOutputTensorIds",
                    "getTensorShape", "getTensorDtypeString", "pipelineStage", "virtualGraph",
                    "getPipelineStage", "hasPipelineStage", "getVirtualGraph", "hasVirtualGraph",
@@ -97,3 +98,20 @@ def test_input_settings_keyword_is_popart_s_spelling():
     assert {"Broadcast", "Replicate"} == set(API["enums"]["ReplicatedStreamMode"])
     assert {m.name for m in pk.ReplicatedStreamMode} == set(API["enums"]["ReplicatedStreamMode"])
     assert {m.name for m in pk.ReductionType} == set(API["enums"]["ReductionType"])
+
+
+@pytest.mark.parametrize("method, ours", [
+    ("addInputTensor", pk.builder._ADD_INPUT),
+    ("pipelineStage", pk.builder._PIPELINE_STAGE),
+    ("virtualGraph", pk.builder._VIRTUAL_GRAPH),
+])
+def test_overloads_are_popart_s(method, ours):
+    theirs = API["classes"]["Builder"]["overloads"][method]
+    assert sorted(list(sig.parameters) for sig, _ in ours) == sorted(theirs)
+
+
+def test_name_scope_is_popart_s():
+    assert "nameScope" in API["classes"]["Builder"]["methods"]
+    assert "getNameScope" in API["classes"]["Builder"]["methods"]
+    assert [list(inspect.signature(pk.Builder().nameScope).parameters)] == (
+        API["classes"]["Builder"]["overloads"]["nameScope"])
