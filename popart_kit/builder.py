@@ -510,23 +510,24 @@ class Builder:
                 return int(attr.i)
         raise BuilderError(f"Node does not have an attribute {attributeName}.")
 
+    def _annotate(self, attribute: str, given: dict[str, Any]) -> _Scope | None:
+        """The setter overload annotates one node; the ``(value)`` overload opens a scope."""
+        if "nodeOutputNames" not in given:
+            return _Scope(self, attribute, _count(given["value"]))
+        self.addNodeAttribute(attribute, _count(given["value"]), given["nodeOutputNames"])
+        return None
+
     def pipelineStage(self, *args: Any, **kwargs: Any) -> _Scope | None:
         """``pipelineStage(nodeOutputName, value=0)`` sets a node's stage;
         ``with pipelineStage(value):`` stages every node created inside."""
-        given = _overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE)
-        if "nodeOutputNames" not in given:
-            return _Scope(self, PIPELINE_STAGE, _count(given["value"]))
-        self.addNodeAttribute(PIPELINE_STAGE, _count(given["value"]), given["nodeOutputNames"])
-        return None
+        return self._annotate(PIPELINE_STAGE,
+                              _overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE))
 
     def virtualGraph(self, *args: Any, **kwargs: Any) -> _Scope | None:
         """``virtualGraph(nodeOutputNames, value=0)`` places a node on an IPU;
         ``with virtualGraph(value):`` places every node created inside."""
-        given = _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH)
-        if "nodeOutputNames" not in given:
-            return _Scope(self, VIRTUAL_GRAPH, _count(given["value"]))
-        self.addNodeAttribute(VIRTUAL_GRAPH, _count(given["value"]), given["nodeOutputNames"])
-        return None
+        return self._annotate(VIRTUAL_GRAPH,
+                              _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH))
 
     def nameScope(self, name: str) -> _Scope:
         """``with nameScope(name):`` prefixes the ids and node names created inside."""
