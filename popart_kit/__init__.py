@@ -25,6 +25,7 @@ from .config import (
 from .layout import PipelineLayout
 from .plan import Plan, ReplicaPlacement
 from .popdist import PopdistEnv
+from .session import InferenceSession
 from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
 from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
@@ -58,5 +59,6 @@ __all__ = [
     "InputSettings",
     "ReplicatedStreamMode",
     "ReductionType",
+    "InferenceSession",
     "PopartKitWarning",
 ]

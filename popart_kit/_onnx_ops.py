@@ -67,8 +67,9 @@ class OpSignature:
         else:
             if self.has_args:
                 params.append(inspect.Parameter("args", kind))
-            if self.variable_outputs:
-                params.append(inspect.Parameter("num_outputs", kind))
+            names = {a[0] for a in self.attributes}
+            if self.variable_outputs and "num_outputs" not in names:  # Split-18 has it as an
+                params.append(inspect.Parameter("num_outputs", kind))  # attribute already
             for name, attr_type, required, default in self.attributes:
                 # PopART asks for ConstantOfShape's value tensor (a numpy array) explicitly
                 required = required or attr_type == onnx.AttributeProto.TENSOR

@@ -31,6 +31,7 @@ __all__ = ["Builder", "BuilderError", "PipelineBuilder", "TensorInfo", "InputSet
 DEFAULT_AI_ONNX_OPSET = 10  # popart.defaultAiOnnxOpset
 AI_GRAPHCORE = "ai.graphcore"
 _DELIMITER = "/"
+STREAM_MODE_KEY = "__replicated_stream_mode/"  # metadata_props key prefix, as PopART writes it
 
 # PopART's data type names and their ONNX types.
 _DTYPES = {name: getattr(onnx.TensorProto, name) for name in (
@@ -228,7 +229,9 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
         value = numpy_helper.from_array(np.require(values["value"], requirements="C"))
         return builder._add_node("Constant", [], 1, {"value": value}, name, data=value)[0]
     inputs = list(values.pop("args", []))
-    outputs = values.pop("num_outputs", op.fixed_outputs)
+    outputs = values.get("num_outputs") or op.fixed_outputs
+    if not any(a[0] == "num_outputs" for a in op.attributes):
+        values.pop("num_outputs", None)
     attrs = {}
     for attr_name, attr_type, _, _ in op.attributes:
         value = values[attr_name]
@@ -410,7 +413,7 @@ class Builder:
         self._graph.input.append(value)
         self._types[tensor_id] = value.type
         mode = (settings or InputSettings()).replicatedStreamMode()
-        self._metadata[f"__replicated_stream_mode/{tensor_id}"] = str(mode.value)
+        self._metadata[f"{STREAM_MODE_KEY}{tensor_id}"] = str(mode.value)
         return tensor_id
 
     def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
@@ -555,6 +558,13 @@ class Builder:
 
     def hasVirtualGraph(self) -> bool:
         return bool(self._scopes.get(VIRTUAL_GRAPH))
+
+
+def broadcast_inputs(model: onnx.ModelProto) -> set[str]:
+    """The inputs a model marks Broadcast (one host value for every replica)."""
+    mode = str(ReplicatedStreamMode.Broadcast.value)
+    return {p.key[len(STREAM_MODE_KEY):] for p in model.metadata_props
+            if p.key.startswith(STREAM_MODE_KEY) and p.value == mode}
 
 
 class PipelineBuilder:

@@ -28,13 +28,27 @@ constructors check; :func:`stepio_arrays` and :func:`stepio_callbacks` read back
 :func:`first_run_check` is PopART's first ``Session.run`` check of a PyStepIO (element counts,
 dtypes), and :func:`simulate_run` drives a PyStepIOCallback as PopART's StepIOSplitter does
 (shared/reference/popart-stepio-builder.md §1.1, §1.5, §3).
+
+``AnchorReturnType``, ``DataFlow`` and ``PyWeightsIO`` take the manifest's constructor overloads
+(resolved as pybind11 does) and raise PopART's constructor errors (willow/src/dataflow.cpp,
+popart.cpp PyWeightsIO) as ``popart.popart_exception``. ``InferenceSession`` takes exactly the
+manifest's constructor parameters, parses ``fnModel`` as ONNX, and models prepareDevice,
+weightsFromHost/ToHost, readWeights/writeWeights (with ``constantWeights``), run (PopART's
+first-run size check, then a known pattern, :func:`run_pattern`, written into every anchor) and
+modelToHost on host arrays; the manifest's other methods raise NotImplementedError.
+:func:`session_record` tells what a session was given and asked, in order;
+:func:`created_sessions` lists the sessions a module made. DeviceManager calls are checked as
+devicemanager.cpp checks them (power of two, ``Never``, host device options) and each returned
+:class:`DeviceCall` records its method, its arguments and the device's type and IPU count.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +58,8 @@ import numpy as np
 
 __all__ = ["MANIFEST", "BROKEN_OPTIONS", "make_popart_module", "set_log", "to_plain",
            "check_value", "EnumMember", "DeviceCall", "stepio_arrays", "stepio_callbacks",
-           "first_run_check", "simulate_run", "SimulatedRun"]
+           "first_run_check", "simulate_run", "SimulatedRun", "weights_io_arrays",
+           "SessionRecord", "session_record", "created_sessions", "run_pattern"]
 
 MANIFEST: dict[str, Any] = json.loads(
     (Path(__file__).with_name("popart_api.json")).read_text(encoding="utf-8"))
@@ -390,11 +405,28 @@ def set_log(obj: Any) -> list[tuple[str, Any]]:
 
 
 class DeviceCall:
-    """What a DeviceManager method was called with (the device it would return)."""
+    """What a DeviceManager method was called with (the device it would return).
 
-    def __init__(self, method: str, kwargs: dict[str, Any]) -> None:
+    ``method``: the DeviceManager method; ``kwargs``: every argument given, by PopART's parameter
+    name, as PopART stored it; ``args`` / ``keywords``: exactly as the caller passed them
+    (positionally / by keyword); ``manager``: the DeviceManager that made it. ``num_ipus``,
+    ``device_type`` (a ``DeviceType`` member) and ``connection_type`` (a
+    ``DeviceConnectionType`` member) are what PopART's DeviceInfo would report (``num_ipus`` is
+    None where only a real device could tell).
+    """
+
+    def __init__(self, method: str, kwargs: dict[str, Any], args: tuple = (),
+                 keywords: dict[str, Any] | None = None, manager: Any = None,
+                 num_ipus: int | None = None, device_type: Any = None,
+                 connection_type: Any = None) -> None:
         self.method = method
         self.kwargs = kwargs
+        self.args = tuple(args)
+        self.keywords = dict(keywords or {})
+        self.manager = manager
+        self.num_ipus = num_ipus
+        self.device_type = device_type
+        self.connection_type = connection_type
 
     def __repr__(self) -> str:
         return f"<DeviceCall {self.method}({self.kwargs})>"
@@ -409,6 +441,87 @@ def _param_type(method: dict[str, Any], param: str) -> str:
     if isinstance(default, str) and "." in default:
         return "enum:" + default.split(".", 1)[0]
     return _PARAM_TYPES[param]
+
+
+# Host devices (popart: willow/src/popx/devicexmanager.cpp, DevicexManager::createHostDevice):
+# the option keys each accepts, and the syncPattern strings of devicemanager.cpp
+# syncPatternFromString.
+_HOST_DEVICE_OPTIONS = {
+    "createIpuModelDevice": ("IpuModel", ("numIPUs", "tilesPerIPU", "compileIPUCode",
+                                          "ipuVersion")),
+    "createOfflineIPUDevice": ("OfflineIpu", ("numIPUs", "tilesPerIPU", "ipuVersion",
+                                              "syncPattern", "gatewayMode")),
+}
+_SYNC_PATTERN_STRINGS = {"full": "Full", "singlePipeline": "SinglePipeline",
+                         "replicaAndLadder": "ReplicaAndLadder"}
+
+
+def _stoi(popart: Any, method: str, key: str, value: str) -> int:
+    """``std::stoi`` of a host device option (a leading integer, else an exception)."""
+    digits = value.strip()
+    end = 1 if digits[:1] in "+-" else 0
+    while end < len(digits) and digits[end].isdigit():
+        end += 1
+    if end == 0 or not digits[:end].lstrip("+-"):
+        raise popart.popart_exception(f"{method}: option {key}={value!r} is not an integer "
+                                      f"(std::stoi: invalid_argument)")
+    return int(digits[:end])
+
+
+def _device_facts(popart: Any, method: str, spec: dict[str, Any], given: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """PopART's checks of a DeviceManager call (devicemanager.cpp, devicexmanager.cpp), and what
+    the device it returns would report."""
+    def default(param: str) -> Any:
+        if param in given:
+            return given[param]
+        value = spec["defaults"][param]
+        if isinstance(value, str) and "." in value:  # "SyncPattern.Full"
+            enum, member = value.split(".", 1)
+            return getattr(getattr(popart, enum), member)
+        return value
+
+    if method in ("acquireAvailableDevice", "tryAcquireAvailableDevice"):
+        num = default("numIpus")
+        if num > 0 and num & (num - 1):
+            raise popart.popart_exception(
+                f"You have attempted to acquire {num} IPUs. The number of IPUs requested must "
+                f"be a power of two")
+        if default("connectionType") is popart.DeviceConnectionType.Never:
+            raise popart.popart_exception(
+                "Trying to acquire a hardware device when connectionType is "
+                "DeviceConnectionType::Never")
+        return {"num_ipus": num, "device_type": popart.DeviceType.Ipu,
+                "connection_type": default("connectionType")}
+    if method in ("acquireDeviceById", "tryAcquireDeviceById"):
+        if default("connectionType") is popart.DeviceConnectionType.Never:
+            raise popart.popart_exception(
+                "Trying to acquire a hardware device when connectionType is "
+                "DeviceConnectionType::Never")
+        return {"device_type": popart.DeviceType.Ipu, "connection_type": default("connectionType")}
+    if method == "createCpuDevice":
+        return {"num_ipus": 1, "device_type": popart.DeviceType.Cpu,
+                "connection_type": popart.DeviceConnectionType.Always}
+    if method in _HOST_DEVICE_OPTIONS:
+        type_name, valid = _HOST_DEVICE_OPTIONS[method]
+        options = next(iter(given.values()))
+        for key in options:
+            if key not in valid:
+                raise popart.popart_exception(
+                    f"Invalid option `{key}' passed to DevicexManager::createHostDevice for "
+                    f"device type {type_name}. Valid options are {list(valid)}")
+        num = _stoi(popart, method, "numIPUs", options["numIPUs"]) if "numIPUs" in options else 1
+        if "tilesPerIPU" in options:
+            _stoi(popart, method, "tilesPerIPU", options["tilesPerIPU"])
+        connection = popart.DeviceConnectionType.Always
+        if method == "createOfflineIPUDevice":
+            pattern = options.get("syncPattern", "full")
+            if pattern not in _SYNC_PATTERN_STRINGS:
+                raise popart.popart_exception(f"Unknown syncPattern setting: {pattern}")
+            connection = popart.DeviceConnectionType.Never  # DevicexOfflineIpuInfo
+        return {"num_ipus": num, "device_type": getattr(popart.DeviceType, type_name),
+                "connection_type": connection}
+    return {}
 
 
 def _make_device_manager(popart: Any) -> type:
@@ -435,7 +548,8 @@ def _make_device_manager(popart: Any) -> type:
                 raise TypeError(f"{method_name}(): missing arguments {missing}")
             checked = {k: check_value(popart, _param_type(spec, k), v, f"{method_name}({k}=)")
                        for k, v in given.items()}
-            call = DeviceCall(method_name, checked)
+            facts = _device_facts(popart, method_name, spec, checked)
+            call = DeviceCall(method_name, checked, args, kwargs, self, **facts)
             self.calls.append(call)
             return call
 
@@ -714,6 +828,731 @@ def simulate_run(callback_stepio: Any, inputs: dict[str, tuple], anchors: dict[s
     return run
 
 
+# -- exceptions, overloads ---------------------------------------------------------------------
+
+
+def _make_exceptions(popart: Any) -> None:
+    """PopART's Python exceptions (popart.cpp, ``py::exception<popart::error>(m,
+    "popart_exception")`` and its two subclasses): a ``popart::error`` thrown in C++ reaches Python
+    as ``popart.popart_exception``, which derives from ``Exception`` (not ``RuntimeError``)."""
+    base = type("popart_exception", (Exception,), {"__module__": "popart"})
+    popart.popart_exception = base
+    popart.popart_internal_exception = type("popart_internal_exception", (base,),
+                                            {"__module__": "popart"})
+    popart.popart_runtime_error = type("popart_runtime_error", (base,), {"__module__": "popart"})
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _resolve_overload(cls_name: str, overloads: list[list[str]], defaults: dict[str, Any],
+                      checkers: dict[str, Any], args: tuple, kwargs: dict[str, Any]
+                      ) -> tuple[int, dict[str, Any]]:
+    """pybind11's overload resolution: the first overload whose names take ``args``/``kwargs``
+    and whose converters accept every value; ``(index, {param: stored value})`` with defaults
+    filled in (``defaults`` holds zero-argument factories), else TypeError."""
+    reasons = []
+    for index, params in enumerate(overloads):
+        try:
+            if len(args) > len(params):
+                raise _NoMatch(f"takes at most {len(params)} positional arguments")
+            given = dict(zip(params, args, strict=False))
+            for key, value in kwargs.items():
+                if key not in params:
+                    raise _NoMatch(f"no parameter {key!r}")
+                if key in given:
+                    raise _NoMatch(f"multiple values for {key!r}")
+                given[key] = value
+            missing = [k for k in params if k not in given and k not in defaults]
+            if missing:
+                raise _NoMatch(f"missing {missing}")
+            out = {}
+            for key in params:
+                if key in given:
+                    try:
+                        out[key] = checkers[key](given[key], f"{cls_name}({key}=)")
+                    except TypeError as err:
+                        raise _NoMatch(str(err)) from None
+                else:
+                    out[key] = defaults[key]()
+            return index, out
+        except _NoMatch as why:
+            reasons.append(f"({', '.join(params)}): {why}")
+    raise TypeError(f"{cls_name}(): incompatible arguments ({len(args)} positional, keywords "
+                    f"{sorted(kwargs)}). PopART's overloads are:\n  " + "\n  ".join(reasons))
+
+
+def _ctor_default(popart: Any, text: Any) -> Any:
+    """A factory for a manifest ``ctor_defaults`` entry ("TileSet.Compute",
+    'AnchorReturnType("All")', "SessionOptions()", None, "inference")."""
+    if not isinstance(text, str):
+        return lambda: text
+    call = re.fullmatch(r"(\w+)\((.*)\)", text)
+    if call:
+        cls_name, inner = call.groups()
+        values = json.loads(f"[{inner}]")
+        return lambda: getattr(popart, cls_name)(*values) if hasattr(popart, cls_name) \
+            else _Default(text)
+    enum = re.fullmatch(r"([A-Z]\w*)\.(\w+)", text)
+    if enum:
+        return lambda: getattr(getattr(popart, enum.group(1)), enum.group(2))
+    return lambda: text
+
+
+class _Default:
+    """A PopART default this recorder has no class for (``InputShapeInfo()``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _checker(popart: Any, type_: str) -> Any:
+    return lambda value, where: check_value(popart, type_, value, where)
+
+
+def _frozen_setattr(cls_name: str) -> Any:
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"'{cls_name}' object has no attribute {name!r}")
+    return __setattr__
+
+
+def _not_implemented(cls_name: str, method: str) -> Any:
+    def missing(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"popart.{cls_name}.{method} exists in PopART but the strict "
+                                  f"recorder does not implement it")
+    missing.__name__ = method
+    return missing
+
+
+# -- AnchorReturnType, DataFlow, PyWeightsIO ---------------------------------------------------
+
+
+def _make_anchor_return_type(popart: Any) -> type:
+    """popart.cpp L721-736 over willow/src/dataflow.cpp L24-77."""
+    spec = MANIFEST["classes"]["AnchorReturnType"]
+    overloads: list[list[str]] = spec["ctor"]
+    assert overloads == [["anchorReturnTypeString", "tileSet", "exchangeStrategy"],
+                         ["anchorReturnTypeString", "returnPeriod", "tileSet",
+                          "exchangeStrategy"]], overloads
+    defaults = {k: _ctor_default(popart, v) for k, v in spec["ctor_defaults"].items()}
+    checkers = {"anchorReturnTypeString": _checker(popart, "str"),
+                "returnPeriod": _checker(popart, "int"),
+                "tileSet": _checker(popart, "enum:TileSet"),
+                "exchangeStrategy": _checker(popart, "enum:ExchangeStrategy")}
+    ids = {"final": "Final", "everyn": "EveryN", "all": "All", "sum": "Sum"}
+    error = "A return period should not be supplied for this anchor return type"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        index, given = _resolve_overload("AnchorReturnType", overloads, defaults, checkers,
+                                         args, kwargs)
+        string = given["anchorReturnTypeString"]
+        member = ids.get(string.lower())  # getIdFromStr runs first, in the member initialiser
+        if member is None:
+            raise popart.popart_exception(f"Invalid anchor return type ID supplied: {string}")
+        period = given.get("returnPeriod", 0)
+        if index == 0 and member == "EveryN":
+            raise popart.popart_exception("Must specify return period with option 'EVERYN'")
+        if index == 1:
+            if member != "EveryN":
+                raise popart.popart_exception(error)
+            if period <= 0:
+                raise popart.popart_exception("Anchor return period must be greater than zero")
+        object.__setattr__(self, "_string", string)
+        object.__setattr__(self, "_id", getattr(popart.AnchorReturnTypeId, member))
+        object.__setattr__(self, "_period", period)
+        object.__setattr__(self, "_tile_set", given["tileSet"])
+        object.__setattr__(self, "_exchange", given["exchangeStrategy"])
+        object.__setattr__(self, "_overload", tuple(overloads[index]))
+        object.__setattr__(self, "_given", (tuple(args), dict(kwargs)))
+
+    def id(self) -> Any:  # noqa: A003 - PopART's name
+        return self._id
+
+    def rp(self) -> int:
+        if self._id is not popart.AnchorReturnTypeId.EveryN:
+            raise popart.popart_exception(error)
+        return self._period
+
+    def tileSet(self) -> Any:  # noqa: N802
+        return self._tile_set
+
+    def exchangeStrategy(self) -> Any:  # noqa: N802
+        return self._exchange
+
+    def _copy(self) -> Any:
+        return self  # immutable from Python: a pybind copy is indistinguishable
+
+    def __repr__(self) -> str:
+        return f"<strict popart.AnchorReturnType {self._string!r}" + (
+            f", {self._period}>" if self._id.name == "EveryN" else ">")
+
+    methods = {"id": id, "rp": rp, "tileSet": tileSet, "exchangeStrategy": exchangeStrategy}
+    assert set(spec["methods"]) == set(methods), spec["methods"]
+    return type("AnchorReturnType", (), {
+        "__slots__": ("_string", "_id", "_period", "_tile_set", "_exchange", "_overload",
+                      "_given"),
+        "__init__": __init__, "__setattr__": _frozen_setattr("AnchorReturnType"),
+        "__module__": "popart", "_copy": _copy, "__repr__": __repr__, **methods})
+
+
+def _make_dataflow(popart: Any) -> type:
+    """popart.cpp L737-757 over willow/src/dataflow.cpp L133-231 (AnchorReturnTypeMap is a
+    ``std::map``: ``anchors()`` lists the ids sorted)."""
+    spec = MANIFEST["classes"]["DataFlow"]
+    overloads: list[list[str]] = spec["ctor"]
+    assert overloads == [["batchesPerStep", "anchorTensors"],
+                         ["batchesPerStep", "anchorIds", "anchorReturnType"]], overloads
+    defaults = {k: _ctor_default(popart, v) for k, v in spec["ctor_defaults"].items()}
+
+    def anchor_ids(value: Any, where: str) -> list[str]:
+        # pybind's std::vector caster: any sequence but str/bytes, of str
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART "
+                            f"expects a list of str")
+        return [check_value(popart, "str", v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+    checkers = {"batchesPerStep": _checker(popart, "int"),
+                "anchorTensors": _checker(popart, "dict[str,struct:AnchorReturnType]"),
+                "anchorIds": anchor_ids,
+                "anchorReturnType": _checker(popart, "struct:AnchorReturnType")}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        index, given = _resolve_overload("DataFlow", overloads, defaults, checkers, args, kwargs)
+        bps = given["batchesPerStep"]
+        anchors = given["anchorTensors"] if index == 0 else {
+            a: given["anchorReturnType"] for a in given["anchorIds"]}
+        if bps <= 0:
+            raise popart.popart_exception("'Batches per step' must be greater than zero")
+        for name in sorted(anchors):
+            art = anchors[name]
+            if art.id() is popart.AnchorReturnTypeId.EveryN:
+                if art.rp() > bps:
+                    raise popart.popart_exception(
+                        "Return period must be <= to the number of batches per step")
+                if bps % art.rp():
+                    raise popart.popart_exception(
+                        "Return period must be a factor of the number of batches per step")
+        object.__setattr__(self, "_bps", bps)
+        object.__setattr__(self, "_anchors", dict(sorted(anchors.items())))
+        object.__setattr__(self, "_overload", tuple(overloads[index]))
+        object.__setattr__(self, "_given", (tuple(args), dict(kwargs)))
+
+    def isAnchored(self, id: str) -> bool:  # noqa: N802, A002
+        return id in self._anchors
+
+    def nAnchors(self) -> int:  # noqa: N802
+        return len(self._anchors)
+
+    def batchesPerStep(self) -> int:  # noqa: N802
+        return self._bps
+
+    def anchors(self) -> list[str]:
+        return list(self._anchors)
+
+    def art(self, anchorId: str) -> Any:  # noqa: N803
+        if anchorId not in self._anchors:
+            raise popart.popart_exception(f"Tensor {anchorId} is not an anchor")
+        return self._anchors[anchorId]
+
+    def setBatchesPerStep(self, batchesPerStep: int) -> None:  # noqa: N802, N803
+        # does not re-validate EveryN periods (dataflow.hpp L325)
+        object.__setattr__(self, "_bps", check_value(popart, "int", batchesPerStep,
+                                                     "DataFlow.setBatchesPerStep"))
+
+    def _copy(self) -> Any:
+        new = object.__new__(type(self))
+        for slot in ("_bps", "_anchors", "_overload", "_given"):
+            object.__setattr__(new, slot, _copy_out(getattr(self, slot)))
+        return new
+
+    methods = {"isAnchored": isAnchored, "nAnchors": nAnchors, "batchesPerStep": batchesPerStep,
+               "anchors": anchors, "art": art, "setBatchesPerStep": setBatchesPerStep}
+    assert set(spec["methods"]) == set(methods), spec["methods"]
+    return type("DataFlow", (), {
+        "__slots__": ("_bps", "_anchors", "_overload", "_given"), "__init__": __init__,
+        "__setattr__": _frozen_setattr("DataFlow"), "__module__": "popart", "_copy": _copy,
+        **methods})
+
+
+def _make_pyweightsio(popart: Any) -> type:
+    """popart.cpp L306-347, L716-718: a map of C-contiguous arrays (shared, not copied)."""
+    spec = MANIFEST["classes"]["PyWeightsIO"]
+    params: list[str] = spec["ctor"][0]
+    assert params == ["weights"] and not spec["methods"], spec
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = _bind("PyWeightsIO", params, args, kwargs)
+        weights = _array_map("PyWeightsIO(weights=)", given["weights"])
+        for name, array in weights.items():
+            if not array.flags.c_contiguous:
+                raise popart.popart_exception(
+                    f"PyWeightsIO is unable to use the provided numpy output array for tensor "
+                    f"'{name}' as it is not c-contiguous. Please use a function like "
+                    f"`numpy.ascontiguousarray()` to make contiguous before passing to "
+                    f"PyWeightsIO")
+        object.__setattr__(self, "_weights", weights)
+
+    return type("PyWeightsIO", (), {
+        "__slots__": ("_weights",), "__init__": __init__,
+        "__setattr__": _frozen_setattr("PyWeightsIO"), "__module__": "popart"})
+
+
+def weights_io_arrays(weights_io: Any) -> dict[str, np.ndarray]:
+    """The arrays a recorded PyWeightsIO holds (the caller's array objects)."""
+    return dict(object.__getattribute__(weights_io, "_weights"))
+
+
+# -- InferenceSession ----------------------------------------------------------------------------
+
+# willow/include/popart/replicatedstreammode.hpp: enum class ReplicatedStreamMode { Broadcast,
+# Replicate } -- the integer builder_impl.cpp writes to "__replicated_stream_mode/<id>" metadata
+# and ir.cpp L2409-2419 reads back (the pybind member order differs; the C++ values count here).
+_STREAM_MODE_KEY = "__replicated_stream_mode/"
+_CPP_STREAM_MODES = {0: "Broadcast", 1: "Replicate"}
+
+
+def _bytes_view(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+@dataclass
+class SessionRecord:
+    """What a recorded InferenceSession was given and asked, in order.
+
+    ``args`` / ``keywords``: the constructor call exactly as made; ``given``: every constructor
+    parameter by PopART's name (defaults filled in); ``calls``: ``(method, args, kwargs)`` of every
+    method called, in order; ``runs``: the stepio of each ``run``; ``read`` / ``written``: the
+    names each readWeights filled / each writeWeights stored (``runs`` holds the runs PopART's
+    checks let through; ``calls`` every attempt); ``popdist_init``: whether PopART's
+    Python constructor would have called ``_popdist_backend_manager.init``."""
+
+    args: tuple = ()
+    keywords: dict[str, Any] = field(default_factory=dict)
+    given: dict[str, Any] = field(default_factory=dict)
+    calls: list[tuple[str, tuple, dict]] = field(default_factory=list)
+    runs: list[Any] = field(default_factory=list)
+    read: list[list[str]] = field(default_factory=list)
+    written: list[list[str]] = field(default_factory=list)
+    popdist_init: bool = False
+
+    @property
+    def methods(self) -> list[str]:
+        return [name for name, _, _ in self.calls]
+
+
+def session_record(session: Any) -> SessionRecord:
+    """The record of a recorded InferenceSession."""
+    return object.__getattribute__(session, "_record")
+
+
+def created_sessions(popart: Any) -> list[Any]:
+    """Every InferenceSession the recorder module ``popart`` constructed, in order."""
+    return list(popart.InferenceSession._created)
+
+
+def _load_model(popart: Any, fn_model: Any) -> Any:
+    """``onnxutil::getModelProto``: a path to a regular file, else a serialised ModelProto."""
+    import onnx
+
+    if isinstance(fn_model, str) and os.path.isfile(fn_model):
+        data = Path(fn_model).read_bytes()
+    else:
+        data = fn_model.encode("utf-8") if isinstance(fn_model, str) else fn_model
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as err:  # google.protobuf.message.DecodeError
+        raise popart.popart_exception(
+            f"Failed to load a ModelProto from the string '{data[:100]!r}'.\nCheck that it is "
+            f"either a valid path to an existing onnx model file, or is a valid onnx ModelProto "
+            f"string.") from err
+    try:
+        onnx.checker.check_model(model)
+    except Exception as err:  # onnx.checker.ValidationError
+        raise popart.popart_exception(f"invalid ONNX model: {err}") from err
+    return model
+
+
+def _tensor_types(model: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of every tensor ONNX shape inference can fully type (PopART's IR infers
+    them itself; this stands in for its TensorInfo)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    out = {}
+    for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        tensor = value.type.tensor_type
+        if tensor.elem_type and tensor.HasField("shape") and all(
+                d.HasField("dim_value") for d in tensor.shape.dim):
+            out[value.name] = (tuple(d.dim_value for d in tensor.shape.dim),
+                               np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)))
+    for init in model.graph.initializer:
+        out[init.name] = (tuple(init.dims),
+                          np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)))
+    return out
+
+
+def _make_inference_session(popart: Any) -> type:
+    """PopART's Python ``InferenceSession`` (python_files/session.py) over ``_InferenceSessionCore``
+    (popart.cpp L2001-2190) and willow/src/session.cpp, modelled on host arrays.
+
+    Weights: with ``constantWeights`` (the default) an inference session makes every initializer
+    a constant (ir.cpp L2330-2336), so it has no weight tensors: readWeights fills nothing
+    (Devicex::readWeights reads only the executable's weight tensors, devicex.cpp L534-549) and
+    writeWeights raises (session.cpp L537-553). Otherwise the initializers are weights, held
+    twice: on the host (what writeWeights writes and readWeights reads) and on the device
+    (weightsFromHost copies host to device, weightsToHost device to host, modelToHost writes
+    the device's values into the model). Before the first weightsFromHost the device holds
+    uninitialised memory, here the byte 0xAB.
+    """
+    spec = MANIFEST["classes"]["InferenceSession"]
+    params: list[str] = spec["ctor"][0]
+    assert params == ["fnModel", "dataFlow", "deviceInfo", "inputShapeInfo", "patterns",
+                      "userOptions", "name"], params
+    defaults = {k: _ctor_default(popart, v) for k, v in spec["ctor_defaults"].items()}
+    garbage = 0xAB
+
+    def fn_model(value: Any, where: str) -> Any:
+        if not isinstance(value, (bytes, str)):  # pybind's std::string caster
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
+                            f"bytes (a serialised ModelProto) or a str path")
+        return value
+
+    def of_class(cls_name: str) -> Any:
+        def check(value: Any, where: str) -> Any:
+            if not isinstance(value, getattr(popart, cls_name)):
+                raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART "
+                                f"expects a popart.{cls_name} of this module")
+            return value
+        return check
+
+    def device_info(value: Any, where: str) -> Any:
+        if value is None:  # createFromOnnxModel's own check
+            raise popart.popart_exception(
+                "Must pass a valid deviceInfo to InferenceSession::createFromOnnxModel")
+        if not isinstance(value, DeviceCall) or not isinstance(value.manager,
+                                                              popart.DeviceManager):
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
+                            f"a DeviceInfo from this module's DeviceManager")
+        if value.method in ("enumerateDevices", "setOnDemandAttachTimeout"):
+            raise TypeError(f"{where}: {value.method}() does not return a DeviceInfo")
+        return value
+
+    def unsupported(name: str) -> Any:
+        def check(value: Any, where: str) -> Any:
+            if value is not None:
+                raise NotImplementedError(f"{where}: the strict recorder has no {name}; pass "
+                                          f"nothing (PopART's default)")
+            return value
+        return check
+
+    checkers = {"fnModel": fn_model, "dataFlow": of_class("DataFlow"),
+                "deviceInfo": device_info, "inputShapeInfo": unsupported("InputShapeInfo"),
+                "patterns": unsupported("Patterns"), "userOptions": of_class("SessionOptions"),
+                "name": _checker(popart, "str")}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        record = SessionRecord(tuple(args), dict(kwargs))
+        object.__setattr__(self, "_record", record)
+        _, given = _resolve_overload("InferenceSession", [params], defaults, checkers, args,
+                                     kwargs)
+        record.given = dict(given)
+        opts = given["userOptions"]
+        record.popdist_init = bool(opts.enableDistributedReplicatedGraphs)
+        opts = opts._copy()  # the Ir holds its own SessionOptions
+        model = _load_model(popart, given["fnModel"])
+        dataflow = given["dataFlow"]._copy()
+        if dataflow.nAnchors() == 0:
+            raise popart.popart_exception(
+                "User must specify an anchor tensor when doing inference.")
+        tensors = {i.name for i in model.graph.input} | {
+            t.name for t in model.graph.initializer} | {
+            o for node in model.graph.node for o in node.output if o}
+        for anchor in dataflow.anchors():
+            if anchor not in tensors:
+                raise popart.popart_exception(f"Anchor tensor `{anchor}' not in Ir Tensors. The "
+                                              f"tensors are:\n{sorted(tensors)}")
+        import onnx.numpy_helper
+
+        initializers = {t.name: onnx.numpy_helper.to_array(t).copy()
+                        for t in model.graph.initializer}
+        constant = opts.constantWeights  # inference session: ir.cpp L2330-2336
+        state = {
+            "model": model, "dataflow": dataflow, "options": opts, "device": given["deviceInfo"],
+            "constant": constant, "initializers": initializers,
+            "host": {} if constant else {k: v.copy() for k, v in initializers.items()},
+            "on_device": {} if constant else {
+                k: np.frombuffer(bytes([garbage]) * v.nbytes, v.dtype).reshape(v.shape).copy()
+                for k, v in initializers.items()},
+            "prepared": False, "engine": False, "runs": 0,
+        }
+        object.__setattr__(self, "_state", state)
+        type(self)._created.append(self)
+
+    def log(self, method: str, args: tuple, kwargs: dict) -> None:
+        self._record.calls.append((method, tuple(args), dict(kwargs)))
+
+    def load_engine(self) -> None:
+        """Devicex::loadEngineAndConnectStreams (devicex.cpp L1307-1315)."""
+        st = self._state
+        if st["device"].connection_type is popart.DeviceConnectionType.Never:
+            raise popart.popart_runtime_error("Trying to load an engine on an offline device")
+        if not st["prepared"]:
+            raise popart.popart_runtime_error(
+                "Trying to load an engine but no compiled engine. Did you forget to call "
+                "prepareDevice()?")
+        st["engine"] = True
+
+    def run_program(self) -> None:
+        """Devicex::run(program): loads the engine first if needed (devicex.cpp L241-251)."""
+        if not self._state["engine"]:
+            load_engine(self)
+
+    def prepareDevice(self, loadEngine: bool = True) -> None:  # noqa: N802, N803
+        log(self, "prepareDevice", (), {"loadEngine": loadEngine})
+        check_value(popart, "bool", loadEngine, "InferenceSession.prepareDevice(loadEngine=)")
+        st = self._state
+        opts = st["options"]
+        if not opts.enableReplicatedGraphs and opts.replicatedGraphCount > 1:
+            raise popart.popart_exception(
+                "enableReplicatedGraphs is false, but replicatedGraphCount > 1. Either enable "
+                "replication, or set the replicated graph count to 1")
+        if not opts.compileEngine:
+            return  # "Not compiling engine by request"
+        st["prepared"] = True
+        if loadEngine:
+            load_engine(self)
+
+    def weightsFromHost(self) -> None:  # noqa: N802
+        log(self, "weightsFromHost", (), {})
+        run_program(self)
+        st = self._state
+        for name, value in st["host"].items():
+            st["on_device"][name] = value.copy()
+
+    def weightsToHost(self) -> None:  # noqa: N802
+        log(self, "weightsToHost", (), {})
+        run_program(self)
+        st = self._state
+        for name, value in st["on_device"].items():
+            st["host"][name] = value.copy()
+
+    def weights_io(method: str, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+        if kwargs or len(args) != 1:  # bound without py::arg: one positional argument
+            raise TypeError(f"{method}(): takes one positional argument (a PyWeightsIO); got "
+                            f"{len(args)} positional and keywords {sorted(kwargs)}")
+        if not isinstance(args[0], popart.PyWeightsIO):
+            raise TypeError(f"{method}(): incompatible type {type(args[0]).__name__}; PopART "
+                            f"expects a popart.PyWeightsIO of this module")
+        return weights_io_arrays(args[0])
+
+    def readWeights(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
+        log(self, "readWeights", args, kwargs)
+        arrays = weights_io("readWeights", args, kwargs)
+        st = self._state
+        if not st["prepared"]:
+            raise popart.popart_runtime_error(
+                "strict recorder: readWeights reads the host stream buffers, which exist once "
+                "prepareDevice() has been called")
+        filled = []
+        for name, src in st["host"].items():  # only the IR's weight tensors; others ignored
+            if name not in arrays:
+                continue
+            dst = arrays[name]
+            if dst.nbytes != src.nbytes:
+                raise popart.popart_runtime_error(
+                    f"sizes (in bytes) of src ({src.nbytes}) and dst ({dst.nbytes}) differ in "
+                    f"hostStreamToHost for {name}")
+            np.copyto(_bytes_view(dst), _bytes_view(np.ascontiguousarray(src)))  # memcpy
+            filled.append(name)
+        self._record.read.append(filled)
+
+    def writeWeights(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
+        log(self, "writeWeights", args, kwargs)
+        arrays = weights_io("writeWeights", args, kwargs)
+        st = self._state
+        if st["constant"]:
+            raise popart.popart_runtime_error(
+                "Cannot call writeWeights when constantWeights is set. Set `constantWeights` to "
+                "False in the `SessionOption`s when initialising the session to enable this "
+                "behaviour.")
+        stored = []
+        for name, old in st["host"].items():
+            if name not in arrays:
+                continue
+            new = arrays[name]
+            if tuple(new.shape) != tuple(old.shape):  # Tensor::verifyMutableVoidInfo
+                raise popart.popart_internal_exception(
+                    f"The shape of the MutableVoidData for IO does not not match the expected "
+                    f"write region of this tensor. Tensor Write ({old.ndim}): {list(old.shape)} "
+                    f"!= MutableVoidData ({new.ndim}): {list(new.shape)}")
+            if new.nbytes != old.nbytes:  # TensorData::resetData
+                raise popart.popart_exception(f"cannot reset tensor data with data of "
+                                              f"non-matching size {old.nbytes} vs {new.nbytes}")
+            data = old.copy()
+            np.copyto(_bytes_view(data), _bytes_view(new))  # raw bytes: no dtype conversion
+            st["host"][name] = data
+            stored.append(name)
+        self._record.written.append(stored)
+
+    def stream_specs(self) -> tuple[dict, dict, int, int, int]:
+        st = self._state
+        model, opts, dataflow = st["model"], st["options"], st["dataflow"]
+        types_ = _tensor_types(model)
+        modes = {p.key[len(_STREAM_MODE_KEY):]: _CPP_STREAM_MODES.get(int(p.value))
+                 for p in model.metadata_props if p.key.startswith(_STREAM_MODE_KEY)}
+        inits = {t.name for t in model.graph.initializer}
+        inputs = {}
+        for value in model.graph.input:
+            if value.name in inits:
+                continue
+            shape, dtype = types_[value.name]
+            inputs[value.name] = (shape, dtype, modes.get(value.name) == "Broadcast")
+        R = opts.replicatedGraphCount if opts.enableReplicatedGraphs else 1  # noqa: N806
+        A = opts.accumulationFactor if opts.enableGradientAccumulation else 1  # noqa: N806
+        bps = dataflow.batchesPerStep()
+        anchors = {}
+        for name in dataflow.anchors():
+            if name not in types_:
+                raise popart.popart_exception(f"strict recorder: no shape for anchor {name}")
+            art = dataflow.art(name)
+            fetches = {"Final": 1, "Sum": 1, "All": bps * A}.get(art.id().name)
+            if fetches is None:
+                fetches = bps // art.rp() * A
+            anchors[name] = (*types_[name], fetches)
+        return inputs, anchors, R, bps, A
+
+    def stepio_checker(value: Any, where: str) -> Any:
+        if not isinstance(value, (popart.PyStepIO, popart.PyStepIOCallback)):
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART "
+                            f"expects a PyStepIO or PyStepIOCallback of this module")
+        return value
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        log(self, "run", args, kwargs)
+        if (args and isinstance(args[0], str)) or "programHandle" in kwargs:
+            raise NotImplementedError("popart.InferenceSession.run(programHandle, stepio, "
+                                      "debugName) is not implemented by the strict recorder")
+        _, given = _resolve_overload(
+            "InferenceSession.run", [["stepio", "debugName"]], {"debugName": lambda: ""},
+            {"stepio": stepio_checker, "debugName": _checker(popart, "str")}, args, kwargs)
+        st = self._state
+        if st["device"].connection_type is popart.DeviceConnectionType.Never:
+            raise popart.popart_runtime_error(
+                "Offline IPU device is not configured for execution")
+        if not st["prepared"]:
+            raise popart.popart_runtime_error(
+                "Devicex::prepare() must be called before Devicex::run(const IStepIO &) is "
+                "called.")
+        stepio = given["stepio"]
+        if isinstance(stepio, popart.PyStepIOCallback):
+            self._record.runs.append(stepio)
+            return  # recorded; drive it with simulate_run
+        inputs, anchors, R, bps, A = stream_specs(self)  # noqa: N806
+        if st["runs"] == 0:  # Devicex::run: the element-count check of the first run only
+            try:
+                first_run_check(stepio, inputs, anchors, R=R, bps=bps, A=A)
+            except RuntimeError as err:
+                raise popart.popart_exception(str(err)) from err
+        self._record.runs.append(stepio)
+        if not st["engine"]:
+            load_engine(self)
+        st["runs"] += 1
+        _, outputs = stepio_arrays(stepio)
+        for array in outputs.values():
+            array.reshape(-1)[...] = run_pattern(array.size, array.dtype, st["runs"])
+
+    def modelToHost(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
+        log(self, "modelToHost", args, kwargs)
+        if kwargs or len(args) != 1 or not isinstance(args[0], str):
+            raise TypeError("modelToHost(): takes one positional str (the file name)")
+        st = self._state
+        if not st["prepared"]:
+            raise popart.popart_runtime_error(
+                "Devicex::prepare() must be called before Devicex::weightsToHost(const "
+                "std::map<TensorId, MutableVoidData> &) is called.")
+        run_program(self)
+        import onnx
+        import onnx.numpy_helper
+
+        model = onnx.ModelProto()
+        model.CopyFrom(st["model"])
+        for tensor in model.graph.initializer:
+            if tensor.name in st["on_device"]:
+                tensor.CopyFrom(onnx.numpy_helper.from_array(st["on_device"][tensor.name],
+                                                             tensor.name))
+        onnx.save(model, args[0])
+        if not st["constant"]:  # "Weights in executable, device, and disk now all match"
+            for name, value in st["on_device"].items():
+                st["host"][name] = value.copy()
+
+    def initAnchorArrays(self) -> dict[str, np.ndarray]:  # noqa: N802
+        """python_files/session.py ``_initAnchorArrays``, verbatim in logic."""
+        log(self, "initAnchorArrays", (), {})
+        st = self._state
+        dataflow = st["dataflow"]
+        types_ = _tensor_types(st["model"])
+        out = {}
+        for anchor in dataflow.anchors():
+            shape, dtype = types_[anchor]
+            bps = dataflow.batchesPerStep()
+            art_id = dataflow.art(anchor).id()
+            array_shape = [self.replicationFactor]
+            if art_id in (popart.AnchorReturnTypeId.Final, popart.AnchorReturnTypeId.Sum):
+                pass
+            elif art_id is popart.AnchorReturnTypeId.All:
+                array_shape.insert(0, self.accumulationFactor)
+                array_shape.insert(0, bps)
+            elif art_id is popart.AnchorReturnTypeId.EveryN:
+                if bps % dataflow.art(anchor).rp() != 0:
+                    raise RuntimeError("Invalid anchor period, is not divisble by batchesPerStep")
+                array_shape.insert(0, self.accumulationFactor)
+                array_shape.insert(0, bps // dataflow.art(anchor).rp())
+            array_shape = [x for x in array_shape if x != 1] + list(shape)
+            out[anchor] = np.empty(shape=array_shape, dtype=dtype)
+        return out
+
+    def dataFlow(self) -> Any:  # noqa: N802
+        return self._state["dataflow"]
+
+    def replicationFactor(self) -> int:  # noqa: N802
+        opts = self._state["options"]
+        return opts.replicatedGraphCount if opts.enableReplicatedGraphs else 1
+
+    def accumulationFactor(self) -> int:  # noqa: N802
+        opts = self._state["options"]
+        return opts.accumulationFactor if opts.enableGradientAccumulation else 1
+
+    implemented = {"prepareDevice": prepareDevice, "weightsFromHost": weightsFromHost,
+                   "weightsToHost": weightsToHost, "readWeights": readWeights,
+                   "writeWeights": writeWeights, "run": run, "modelToHost": modelToHost,
+                   "initAnchorArrays": initAnchorArrays}
+    assert set(implemented) <= set(spec["methods"]), set(implemented) - set(spec["methods"])
+    namespace: dict[str, Any] = {
+        name: _not_implemented("InferenceSession", name) for name in spec["methods"]}
+    namespace.update(implemented)
+    for name in spec.get("classmethods", {}):
+        namespace[name] = classmethod(_not_implemented("InferenceSession", name))
+    properties = {"dataFlow": dataFlow, "replicationFactor": replicationFactor,
+                  "accumulationFactor": accumulationFactor}
+    assert set(spec["properties"]) == set(properties), spec["properties"]
+    namespace.update({k: property(v) for k, v in properties.items()})
+    return type("InferenceSession", (), {
+        "__slots__": ("_record", "_state"), "__init__": __init__,
+        "__setattr__": _frozen_setattr("InferenceSession"), "__module__": "popart",
+        "_created": [], **namespace})
+
+
+def run_pattern(size: int, dtype: Any, run: int) -> np.ndarray:
+    """What the recorder's ``run`` number ``run`` (1-based) writes into an anchor array of
+    ``size`` elements: distinct small values, exact in every dtype (True for bools)."""
+    return ((np.arange(size) % 50) + run).astype(dtype)
+
+
 # -- the module -------------------------------------------------------------------------------
 
 
@@ -728,8 +1567,13 @@ def make_popart_module() -> types.ModuleType:
         setattr(popart, name, _make_enum(name, members))
     for name, spec in MANIFEST["structs"].items():
         setattr(popart, name, _make_struct(popart, name, spec))
+    _make_exceptions(popart)
     popart.SessionOptions = _make_session_options(popart)
     popart.DeviceManager = _make_device_manager(popart)
     popart.PyStepIO = _make_pystepio(popart)
     popart.PyStepIOCallback = _make_pystepio_callback(popart)
+    popart.AnchorReturnType = _make_anchor_return_type(popart)
+    popart.DataFlow = _make_dataflow(popart)
+    popart.PyWeightsIO = _make_pyweightsio(popart)
+    popart.InferenceSession = _make_inference_session(popart)
     return popart

@@ -1,0 +1,1 @@
+"""Session backends: ``popart_sdk`` (Graphcore's Poplar SDK, imported lazily) and ``xla``."""

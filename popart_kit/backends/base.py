@@ -1,0 +1,84 @@
+"""The backend protocol, and how a session picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import onnx
+
+if TYPE_CHECKING:
+    from ..config import SessionConfig
+    from ..shapes import AnchorReturnType
+    from ..stepio import StepIOFactory
+
+__all__ = ["Backend", "make_backend", "check_weights", "BACKENDS"]
+
+BACKENDS = ("auto", "xla", "popart")
+
+
+class Backend(Protocol):
+    """What a session needs from a backend: the host-array shapes (``io``), one compiled step
+    per ``run``, and the weights."""
+
+    name: str
+    io: StepIOFactory
+
+    def prepare(self) -> None: ...
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def weights(self) -> dict[str, np.ndarray]: ...
+
+    def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None: ...
+
+    def model_proto(self) -> onnx.ModelProto: ...
+
+
+def check_weights(current: Mapping[str, np.ndarray], mapping: Mapping[str, Any]) -> None:
+    """Refuse (one ValueError, every problem) weights a backend cannot take as they are:
+    unknown names, other shapes or dtypes - nothing is converted silently."""
+    from .._problems import Problem, raise_errors
+
+    problems = []
+    for name, value in mapping.items():
+        if name not in current:
+            problems.append(Problem(("weights", name), f"{name!r} is not a weight of the model.",
+                                    f"use one of {', '.join(current)}.", "K-weight-unknown"))
+            continue
+        old, value = current[name], np.asarray(value)
+        if value.shape != old.shape or value.dtype != old.dtype:
+            problems.append(Problem(("weights", name),
+                                    f"weight {name!r} is {value.dtype}{list(value.shape)}, "
+                                    f"expected {old.dtype}{list(old.shape)}.",
+                                    "write an array of the weight's shape and dtype.",
+                                    "K-weight-shape"))
+    raise_errors("write_weights", problems)
+
+
+def _sdk_importable() -> bool:
+    from .._mapping import import_popart
+
+    try:
+        import_popart()
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
+                 anchors: Mapping[str, AnchorReturnType], popart: Any = None) -> Backend:
+    """``auto`` is ``popart`` where the Poplar SDK imports (or a module is given) and ``xla``
+    elsewhere."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.")
+    if name == "auto":
+        name = "popart" if popart is not None or _sdk_importable() else "xla"
+    if name == "popart":
+        from .popart_sdk import PopartBackend
+
+        return PopartBackend(model, config, anchors, popart)
+    from .xla.runtime import XlaBackend
+
+    return XlaBackend(model, config, anchors)
