@@ -1,7 +1,7 @@
 """The xla backend: one compiled program per session runs a whole step on every local replica.
 
-A ``run`` is bps × A micro-batches on each of R replicas. The program scans the micro-batches
-on the device (no host round trip per micro-batch, the analogue of device iterations); replicas
+A ``run`` is bps × A micro-batches on each of R replicas. The program evaluates them all on the
+device (no host round trip per micro-batch, the analogue of device iterations); replicas
 are a mesh axis (``shard_map``) over as many devices as divide R, vectorised within a device.
 Anchors come back as PopART returns them: All every micro-batch, EveryN micro-batches N-1,
 2N-1, ..., Final the last one, Sum their sum - per replica.
@@ -72,28 +72,23 @@ class XlaBackend:
                          streams: Mapping[str, jax.Array],
                          fixed: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """One replica's run: ``streams`` are [M, *S] (M = bps × A), ``fixed`` Broadcast
-        inputs [M, *S] shared by all replicas. Returns each anchor as PopART returns it."""
-        wanted = list(self.anchors)
-        stacked = [n for n, art in self.anchors.items() if art.name in ("All", "EveryN")]
-        summed = [n for n, art in self.anchors.items() if art.name == "Sum"]
-        final = [n for n, art in self.anchors.items() if art.name == "Final"]
+        inputs [M, *S] shared by all replicas. Returns each anchor as PopART returns it.
 
-        def step(carry: dict[str, jax.Array], xs: dict[str, jax.Array]
-                 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-            values = self.graph.evaluate(weights, xs, wanted)
-            carry = {**{n: carry[n] + values[n] for n in summed},
-                     **{n: values[n] for n in final}}
-            return carry, {n: values[n] for n in stacked}
-
-        shapes = jax.eval_shape(lambda x: self.graph.evaluate(weights, x, wanted),
-                                {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-                                 for k, v in {**streams, **fixed}.items()})
-        init = {n: jnp.zeros(shapes[n].shape, shapes[n].dtype) for n in summed + final}
-        carry, ys = jax.lax.scan(step, init, {**streams, **fixed})
-        out = dict(carry)
-        for n in stacked:
-            period = self.anchors[n].period
-            out[n] = ys[n] if period is None else ys[n][period - 1::period]
+        Inference micro-batches do not depend on each other, so the M of them are evaluated as
+        one vectorised computation: XLA on CPU runs the body of a loop (lax.scan) several
+        times slower than the same operations outside one (measured in
+        benchmarks/runtime_bench.py), and this keeps the run one program all the same."""
+        values = jax.vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)))(
+            {**streams, **fixed})
+        out = {}
+        for name, art in self.anchors.items():
+            every = values[name]  # [M, *S]
+            if art.name == "Sum":
+                out[name] = every.sum(axis=0)
+            elif art.name == "Final":
+                out[name] = every[-1]
+            else:
+                out[name] = every if art.period is None else every[art.period - 1::art.period]
         return out
 
     def _build(self) -> Any:
@@ -122,21 +117,23 @@ class XlaBackend:
     # -- a run ----------------------------------------------------------------------------------
 
     def _device_inputs(self, inputs: Mapping[str, np.ndarray]
-                       ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-        """Canonical host arrays -> [M, R, *S] streams and [M, *S] Broadcast inputs on device."""
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Canonical host arrays -> [M, R, *S] streams and [M, *S] Broadcast inputs, placed on
+        the replicas' devices (on one device the compiled program takes the host arrays)."""
         cfg = self.config
         steps = cfg.batches_per_step * cfg.accumulation.factor
         replicas = cfg.replication.local_factor
+        several = len(self.devices) > 1
         streams, fixed = {}, {}
         for name, spec in self.io.inputs.items():
             array = np.asarray(inputs[name], dtype=spec.dtype)  # PopART's int64 -> int32
             if spec.broadcast:
-                fixed[name] = jax.device_put(array.reshape((steps,) + spec.shape),
-                                             self._everywhere())
+                array = array.reshape((steps,) + spec.shape)
+                fixed[name] = jax.device_put(array, self._everywhere()) if several else array
             else:
-                streams[name] = jax.device_put(
-                    array.reshape((steps, replicas) + spec.shape),
-                    NamedSharding(self.mesh, P(None, _REPLICA)))
+                array = array.reshape((steps, replicas) + spec.shape)
+                streams[name] = jax.device_put(array, NamedSharding(
+                    self.mesh, P(None, _REPLICA))) if several else array
         return streams, fixed
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
