@@ -5,8 +5,9 @@
 For an MLP and a small convolutional model, at bps 1, 16 and 64 (one replica): samples/s of
 ``InferenceSession.run`` against onnxruntime running the same ONNX model micro-batch by
 micro-batch, and the session's run time against a hand-written ``jax.jit`` program of the same
-math (vectorised over the bps micro-batches, as the session runs them). Targets: >= 1x onnxruntime at bps >= 16; <= 1.05x the
-hand-written program. All numbers come from this run, on this machine.
+math (vectorised over the bps micro-batches, as the session runs them). Targets: >= 1x
+onnxruntime at bps >= 16; <= 1.05x the hand-written program. All numbers come from this run,
+on this machine.
 """
 
 from __future__ import annotations
