@@ -47,6 +47,10 @@ class InferenceSession:
         if anchors is None:
             anchors = {o.name: "All" for o in self.model.graph.output}
         self.anchors = {name: AnchorReturnType.of(art) for name, art in anchors.items()}
+        if not self.anchors:
+            raise ValueError("an inference session needs at least one anchor (PopART: 'User "
+                             "must specify an anchor tensor when doing inference'). Fix: pass "
+                             "anchors={tensor: 'All'} or add outputs to the model.")
         self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart)
 
     @property

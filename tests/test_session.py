@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -199,13 +202,125 @@ def test_unknown_anchors_and_modes_are_refused():
 def test_unsupported_operators_are_refused_at_construction():
     b = pk.Builder(opsets={"ai.onnx": 11})
     x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 4]))
-    b.aiOnnx.unique([x], 1)
-    b.aiOnnx.nonzero([x])  # data-dependent shapes: XLA cannot compile them
+    unique = b.aiOnnx.unique([x], 1)
+    nonzero = b.aiOnnx.nonzero([x])  # data-dependent shapes: XLA cannot compile them
     with pytest.raises(ValueError) as info:
-        pk.InferenceSession(b.getModelProto(), config(), backend="xla")
-    assert "Unique" in str(info.value) and "NonZero" in str(info.value)
+        pk.InferenceSession(b.getModelProto(), config(), anchors={nonzero: "All"},
+                            backend="xla")
+    assert f"{unique[0]} (Unique)" in str(info.value)
+    assert f"{nonzero} (NonZero)" in str(info.value)
 
 
-def test_the_popart_backend_needs_the_sdk():
+def test_the_popart_backend_needs_the_sdk(monkeypatch):
+    monkeypatch.setitem(sys.modules, "popart", None)  # as where the SDK is not installed
     with pytest.raises(ImportError, match="Poplar SDK"):
         pk.InferenceSession(identity_model(), config(), backend="popart")
+    assert pk.InferenceSession(identity_model(), config()).backend == "xla"  # auto
+
+
+def test_an_inference_session_needs_an_anchor():
+    with pytest.raises(ValueError, match="User must specify an anchor tensor"):
+        pk.InferenceSession(identity_model(), config(), anchors={}, backend="xla")
+
+
+def test_double_and_symbolic_shapes_are_refused():
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["d"], ["e"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("d", TensorProto.DOUBLE, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 7
+    with pytest.raises(ValidationError) as info:
+        pk.InferenceSession(model, config(), backend="xla")
+    text = str(info.value)
+    assert "input 'x' has shape" in text and "tensor 'd' is DOUBLE" in text
+
+
+# -- devices, dtypes and odd models ---------------------------------------------------------------
+
+
+def test_a_fresh_process_gets_a_device_per_replica():
+    # No conftest here: the session itself must ask JAX for the devices before it starts JAX.
+    script = textwrap.dedent("""
+        import warnings, numpy as np, popart_kit as pk
+        b = pk.Builder()
+        x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+        y = b.aiOnnx.add([x, b.aiOnnx.constant(np.ones(2, np.float32))])
+        cfg = pk.SessionConfig(mode="inference", replication={"local_factor": 4},
+                               device={"target": "offline"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sess = pk.InferenceSession(b.getModelProto(), cfg, anchors={y: "All"},
+                                       backend="xla")
+        print(len(sess._backend.devices))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "4"
+
+
+@pytest.mark.parametrize("local", [3, 6])
+def test_replica_counts_that_are_not_powers_of_two(local):
+    model, x, _, y, _ = mlp()
+    sess = pk.InferenceSession(model, config(2, local, device={"target": "offline"}),
+                               anchors={y: "Sum"}, backend="xla")
+    inputs = sess.io.allocate_inputs("random", seed=local)
+    got = sess.run(inputs)[y]
+    assert got.shape == (local, 4, 3)
+    for r in range(local):
+        want = sum(onnxruntime_run(model, {x: inputs[x][b, r]})[0] for b in range(2))
+        np.testing.assert_allclose(got[r], want, rtol=1e-5)
+
+
+def test_anchors_keep_their_dtypes_and_are_writable():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("INT8", [3]))
+    flag = b.aiOnnx.greater([b.aiOnnx.cast([x], "FLOAT"),
+                             b.aiOnnx.constant(np.zeros(1, np.float32))])
+    sess = pk.InferenceSession(b.getModelProto(), config(bps=2, local=2),
+                               anchors={x: "Sum", flag: "All"}, backend="xla")
+    inputs = {x: np.full((2, 2, 3), 100, np.int8)}
+    out = sess.run(inputs)
+    assert out[x].dtype == np.int8 and out[flag].dtype == np.bool_
+    assert (out[x] == np.int8(-56)).all()  # 100 + 100 wraps in int8, as on the device
+    sess.io.check_anchors(out)
+    out[x] += 1  # writable
+
+
+def test_models_without_streamed_inputs():
+    b = pk.Builder()
+    w = b.addInitializedInputTensor(np.arange(3, dtype=np.float32))
+    s = b.addInputTensor(pk.TensorInfo("FLOAT", [1]),
+                         pk.InputSettings(pk.ReplicatedStreamMode.Broadcast))
+    y = b.aiOnnx.mul([w, s])
+    sess = pk.InferenceSession(b.getModelProto(), config(bps=2, local=2),
+                               anchors={y: "Final", w: "All"}, backend="xla")
+    out = sess.run({s: np.array([[1.0], [3.0]], np.float32)})
+    np.testing.assert_array_equal(out[y], [[0, 3, 6], [0, 3, 6]])
+    assert out[w].shape == (2, 2, 3)
+
+
+def test_int64_weights_round_trip():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("INT64", [2]))
+    w = b.addInitializedInputTensor(np.array([5, 7], np.int64))
+    y = b.aiOnnx.add([x, w])
+    sess = pk.InferenceSession(b.getModelProto(), config(), anchors={y: "All"}, backend="xla")
+    weights = sess.weights()
+    assert weights[w].dtype == np.int64
+    sess.write_weights(weights)
+    onnx.checker.check_model(sess.model_proto())
+    np.testing.assert_array_equal(sess.run({x: np.array([1, 2], np.int64)})[y], [6, 9])
+
+
+def test_prepare_compiles_before_the_first_run():
+    model, x, _, y, _ = mlp()
+    sess = pk.InferenceSession(model, config(bps=2, local=2), anchors={y: "All"}, backend="xla")
+    sess.prepare()
+    assert sess._backend._program is not None
+    first = sess.run(sess.io.allocate_inputs("random"))
+    np.testing.assert_array_equal(first[y], sess.run(sess.io.allocate_inputs("random"))[y])

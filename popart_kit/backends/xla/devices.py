@@ -36,9 +36,12 @@ def replica_devices(replicas: int) -> list[jax.Device]:
     used = max(d for d in range(1, min(replicas, len(available)) + 1) if replicas % d == 0)
     if used < replicas and (replicas, len(available)) not in _warned:
         _warned.add((replicas, len(available)))
+        platform = available[0].platform
+        why = (f"JAX was started with {len(available)} CPU device(s) before this session asked "
+               f"for {replicas}; create sessions before other code initialises JAX"
+               if platform == "cpu" else f"there are {len(available)} {platform} device(s)")
         warnings.warn(
-            f"{replicas} replicas run on {used} {available[0].platform} device(s), "
-            f"{replicas // used} vectorised per device: JAX started with {len(available)} "
-            f"device(s). Numerics are identical; to give each replica a device, create the "
-            f"session before anything else initialises JAX.", PopartKitWarning, stacklevel=3)
+            f"{replicas} replicas run on {used} {platform} device(s), {replicas // used} "
+            f"vectorised per device ({why}). Numerics are identical.", PopartKitWarning,
+            stacklevel=4)
     return available[:used]

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ...layout import load_model
 from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
 
 __all__ = ["LoweredGraph", "UnsupportedModel", "lower", "unsupported"]
@@ -149,14 +150,6 @@ class LoweredGraph:
         return out
 
 
-def _as_model(model: onnx.ModelProto | bytes | str | Path) -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
-        return model
-    if isinstance(model, bytes):
-        return onnx.load_model_from_string(model)
-    return onnx.load(str(model))
-
-
 def _opset(model: onnx.ModelProto) -> int:
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
@@ -182,7 +175,7 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     shape or axes fed as an input); they are folded in only where the graph needs a constant,
     and are then no longer inputs. Raises :class:`UnsupportedModel` listing every problem.
     """
-    model = _as_model(model)
+    model = load_model(model)
     graph, opset = model.graph, _opset(model)
     problems: list[str] = []
     given = {k: np.asarray(v) for k, v in (static_inputs or {}).items()}

@@ -24,7 +24,7 @@ from ...builder import broadcast_inputs
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
 from ..base import check_weights
-from .devices import replica_devices
+from .devices import HOST_DEVICES, ensure_host_devices, replica_devices
 from .lowering import LoweredGraph, lower
 
 __all__ = ["XlaBackend"]
@@ -39,12 +39,11 @@ class XlaBackend:
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType]) -> None:
+        replicas = config.replication.local_factor
+        ensure_host_devices(max(replicas, HOST_DEVICES))  # before the lowering starts JAX
         self.model, self.config = model, config
         self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
-        unknown = [a for a in anchors if a not in self.graph.tensors]
-        raise_errors("XlaBackend", [Problem(
-            ("anchors", a), f"anchor {a!r} is not a tensor of the model.",
-            "anchor an input, a weight or a node output.", "K-anchor-unknown") for a in unknown])
+        raise_errors("XlaBackend", self._problems(anchors))
         self.anchors = dict(anchors)
         broadcast = broadcast_inputs(model)
         inputs = {name: TensorSpec(shape, dtype, name in broadcast)
@@ -56,12 +55,28 @@ class XlaBackend:
         self.io = StepIOFactory(config, inputs=inputs, anchors={
             name: (TensorSpec(found[name].shape, found[name].dtype), art)
             for name, art in self.anchors.items()})
-        replicas = config.replication.local_factor
         self.devices = replica_devices(replicas)
         self.mesh = Mesh(np.array(self.devices), (_REPLICA,))
         self._weights = {k: jax.device_put(jnp.asarray(v), self._everywhere())
                          for k, v in self.graph.weights.items()}
         self._program: Any = None
+
+    def _problems(self, anchors: Mapping[str, AnchorReturnType]) -> list[Problem]:
+        """What this backend cannot run, all at once, before anything compiles."""
+        out = [Problem(("anchors", a), f"anchor {a!r} is not a tensor of the model.",
+                       "anchor an input, a weight or a node output.", "K-anchor-unknown")
+               for a in anchors if a not in self.graph.tensors]
+        for name, (shape, _) in self.graph.inputs.items():
+            if any(not isinstance(d, int) for d in shape):
+                out.append(Problem(("inputs", name), f"input {name!r} has shape {shape}: a "
+                                   f"dimension is symbolic or unknown.",
+                                   "give the input a fixed shape (PopART compiles static "
+                                   "shapes too).", "K-static-shape"))
+        doubles = [n for n, (_, d) in self.graph.inputs.items() if np.dtype(d) == np.float64]
+        doubles += [n for n, w in self.graph.weights.items() if w.dtype == np.float64]
+        out += [Problem(("tensors", n), f"tensor {n!r} is DOUBLE, which PopART does not run "
+                        f"on IPUs.", "use FLOAT (or FLOAT16).", "K-double") for n in doubles]
+        return out
 
     # -- the program --------------------------------------------------------------------------
 
@@ -78,13 +93,14 @@ class XlaBackend:
         one vectorised computation: XLA on CPU runs the body of a loop (lax.scan) several
         times slower than the same operations outside one (measured in
         benchmarks/runtime_bench.py), and this keeps the run one program all the same."""
-        values = jax.vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)))(
-            {**streams, **fixed})
+        steps = self.config.batches_per_step * self.config.accumulation.factor
+        values = jax.vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)),
+                          axis_size=steps)({**streams, **fixed})
         out = {}
         for name, art in self.anchors.items():
             every = values[name]  # [M, *S]
             if art.name == "Sum":
-                out[name] = every.sum(axis=0)
+                out[name] = every.sum(axis=0, dtype=every.dtype)
             elif art.name == "Final":
                 out[name] = every[-1]
             else:
@@ -92,34 +108,39 @@ class XlaBackend:
         return out
 
     def _build(self) -> Any:
-        replica_axis = {n: 1 for n in self.io.inputs if not self.io.inputs[n].broadcast}
+        streamed = [n for n, spec in self.io.inputs.items() if not spec.broadcast]
         stacked_out = {n: (1 if art.name in ("All", "EveryN") else 0)
                        for n, art in self.anchors.items()}
+        per_device = self.config.replication.local_factor // len(self.devices)
 
         def block(weights: Any, streams: Any, fixed: Any) -> Any:
             # the replicas of one device, vectorised; axis 1 of a stream is the replica
             return jax.vmap(self._replica_program, in_axes=(None, 1, None),
-                            out_axes=stacked_out)(weights, streams, fixed)
+                            out_axes=stacked_out, axis_size=per_device)(weights, streams, fixed)
 
         if len(self.devices) == 1:
             return jax.jit(block)
         return jax.jit(jax.shard_map(
             block, mesh=self.mesh,
-            in_specs=(P(), {n: P(None, _REPLICA) for n in replica_axis}, P()),
+            in_specs=(P(), {n: P(None, _REPLICA) for n in streamed}, P()),
             out_specs={n: P(None, _REPLICA) if a else P(_REPLICA)
                        for n, a in stacked_out.items()},
             check_vma=False))  # replicas are independent: nothing to check across them
 
     def prepare(self) -> None:
-        if self._program is None:
-            self._program = self._build()
+        """Compile the step program for this session's shapes (run does it when needed)."""
+        if self._program is not None:
+            return
+        streams, fixed = self._device_inputs(self.io.allocate_inputs(), as_shapes=True)
+        self._program = self._build().lower(self._weights, streams, fixed).compile()
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def _device_inputs(self, inputs: Mapping[str, np.ndarray]
+    def _device_inputs(self, inputs: Mapping[str, np.ndarray], as_shapes: bool = False
                        ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Canonical host arrays -> [M, R, *S] streams and [M, *S] Broadcast inputs, placed on
-        the replicas' devices (on one device the compiled program takes the host arrays)."""
+        the replicas' devices (on one device the compiled program takes the host arrays);
+        ``as_shapes`` gives their shapes and placements only, for compiling."""
         cfg = self.config
         steps = cfg.batches_per_step * cfg.accumulation.factor
         replicas = cfg.replication.local_factor
@@ -128,12 +149,16 @@ class XlaBackend:
         for name, spec in self.io.inputs.items():
             array = np.asarray(inputs[name], dtype=spec.dtype)  # PopART's int64 -> int32
             if spec.broadcast:
-                array = array.reshape((steps,) + spec.shape)
-                fixed[name] = jax.device_put(array, self._everywhere()) if several else array
+                array, placement = array.reshape((steps,) + spec.shape), self._everywhere()
             else:
                 array = array.reshape((steps, replicas) + spec.shape)
-                streams[name] = jax.device_put(array, NamedSharding(
-                    self.mesh, P(None, _REPLICA))) if several else array
+                placement = NamedSharding(self.mesh, P(None, _REPLICA))
+            if as_shapes:
+                array = jax.ShapeDtypeStruct(array.shape, jnp.dtype(array.dtype),
+                                             sharding=placement if several else None)
+            elif several:
+                array = jax.device_put(array, placement)
+            (fixed if spec.broadcast else streams)[name] = array
         return streams, fixed
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -141,13 +166,16 @@ class XlaBackend:
         self.prepare()
         streams, fixed = self._device_inputs(inputs)
         out = self._program(self._weights, streams, fixed)
-        return {name: np.asarray(value).reshape(self.io.anchor_shape(name))
+        return {name: np.array(value).reshape(self.io.anchor_shape(name))  # writable copies
                 for name, value in out.items()}
 
     # -- weights ----------------------------------------------------------------------------------
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {name: np.array(value) for name, value in self._weights.items()}
+        """Current weights in the model's own dtypes (JAX computes INT64 as INT32, as PopART
+        casts it on the device)."""
+        return {name: np.array(value).astype(self.graph.weights[name].dtype)
+                for name, value in self._weights.items()}
 
     def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None:
         check_weights(self.graph.weights, mapping)
