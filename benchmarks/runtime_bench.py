@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
-import time
 import warnings
 from collections.abc import Callable
 
@@ -25,18 +24,9 @@ import numpy as np
 import onnxruntime as ort
 
 import popart_kit as pk
+from timing import best_of
 
 MICRO_BATCH = 32
-
-
-def best_of(repeat: int, fn: Callable[[], object]) -> float:
-    fn()  # warm up (compiles)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def run_onnxruntime(session: ort.InferenceSession, micro_batches: np.ndarray) -> list:

@@ -15,23 +15,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
-from collections.abc import Callable
 
 import numpy as np
 
 import popart_kit as pk
+from timing import best_of
 
 BPS, ACCUMULATION, LOCAL, INSTANCES, MICRO_BATCH = 16, 4, 4, 2, 8
-
-
-def best_of(repeat: int, fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def bench(size_mib: float, repeat: int) -> list[tuple[str, float, float]]:
