@@ -23,9 +23,10 @@ from .config import (
     SessionConfig,
 )
 from .layout import PipelineLayout
+from .optimizers import SGD, Adam
 from .plan import Plan, ReplicaPlacement
 from .popdist import PopdistEnv
-from .session import InferenceSession
+from .session import InferenceSession, TrainingSession
 from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
 from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
@@ -60,5 +61,8 @@ __all__ = [
     "ReplicatedStreamMode",
     "ReductionType",
     "InferenceSession",
+    "TrainingSession",
+    "SGD",
+    "Adam",
     "PopartKitWarning",
 ]

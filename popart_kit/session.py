@@ -20,38 +20,28 @@ from .layout import PipelineLayout, load_model
 from .shapes import AnchorReturnType
 from .stepio import StepIOFactory
 
-__all__ = ["InferenceSession"]
+__all__ = ["InferenceSession", "TrainingSession"]
 
 
-class InferenceSession:
-    """``InferenceSession(model, config, anchors={"y": "All"}, backend="auto")``.
+class _Session:
+    """What both sessions share: model loading, the pipeline check, anchors, the backend."""
 
-    ``model`` is a ModelProto, serialised bytes (Builder.getModelProto) or a path; ``anchors``
-    maps any tensor of the model (inputs, weights, activations, outputs) to a return type and
-    defaults to every graph output with ``All``. ``backend`` is ``"auto"`` (popart where the
-    Poplar SDK imports, else xla), ``"xla"`` or ``"popart"``.
-    """
+    _mode = ""
+    _backend: Backend
 
-    def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
-                 config: SessionConfig, anchors: Mapping[str, Any] | None = None,
-                 backend: str = "auto", *, popart: Any = None) -> None:
-        if config.mode != "inference":
-            raise ValueError(f"InferenceSession needs a config with mode='inference', got "
-                             f"mode={config.mode!r}. Fix: use TrainingSession, or set "
-                             f"mode='inference'.")
+    def _open(self, model: onnx.ModelProto | bytes | str | os.PathLike, config: SessionConfig,
+              anchors: Mapping[str, Any]) -> None:
+        if config.mode != self._mode:
+            other = "TrainingSession" if config.mode == "training" else "InferenceSession"
+            raise ValueError(f"{type(self).__name__} needs a config with mode={self._mode!r}, "
+                             f"got mode={config.mode!r}. Fix: use {other}, or set "
+                             f"mode={self._mode!r}.")
         self.config = config
         self.model = load_model(model)
         self.layout = PipelineLayout.from_model(self.model)
         if config.pipeline.enabled or self.layout.is_annotated:
             self.layout.check(config)
-        if anchors is None:
-            anchors = {o.name: "All" for o in self.model.graph.output}
         self.anchors = {name: AnchorReturnType.of(art) for name, art in anchors.items()}
-        if not self.anchors:
-            raise ValueError("an inference session needs at least one anchor (PopART: 'User "
-                             "must specify an anchor tensor when doing inference'). Fix: pass "
-                             "anchors={tensor: 'All'} or add outputs to the model.")
-        self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart)
 
     @property
     def backend(self) -> str:
@@ -79,3 +69,60 @@ class InferenceSession:
     def model_proto(self) -> onnx.ModelProto:
         """The model with the session's current weights."""
         return self._backend.model_proto()
+
+
+
+class InferenceSession(_Session):
+    """``InferenceSession(model, config, anchors={"y": "All"}, backend="auto")``.
+
+    ``model`` is a ModelProto, serialised bytes (Builder.getModelProto) or a path; ``anchors``
+    maps any tensor of the model (inputs, weights, activations, outputs) to a return type and
+    defaults to every graph output with ``All``. ``backend`` is ``"auto"`` (popart where the
+    Poplar SDK imports, else xla), ``"xla"`` or ``"popart"``.
+    """
+
+    _mode = "inference"
+
+    def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
+                 config: SessionConfig, anchors: Mapping[str, Any] | None = None,
+                 backend: str = "auto", *, popart: Any = None) -> None:
+        proto = load_model(model)
+        self._open(proto, config, anchors if anchors is not None else {
+            o.name: "All" for o in proto.graph.output})
+        if not self.anchors:
+            raise ValueError("an inference session needs at least one anchor (PopART: 'User "
+                             "must specify an anchor tensor when doing inference'). Fix: pass "
+                             "anchors={tensor: 'All'} or add outputs to the model.")
+        self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart)
+
+
+class TrainingSession(_Session):
+    """``TrainingSession(model, config, loss=loss, optimizer=pk.SGD(...), anchors=...)``.
+
+    Each ``run`` makes batches_per_step weight updates, each from the gradients of ``loss`` over
+    A micro-batches on every local replica, reduced as ``config.accumulation.reduction`` says.
+    ``anchors`` default to the loss with ``Final``.
+    """
+
+    _mode = "training"
+
+    def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
+                 config: SessionConfig, loss: str, optimizer: Any,
+                 anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
+                 popart: Any = None) -> None:
+        self._open(model, config, anchors if anchors is not None else {loss: "Final"})
+        self._backend = make_backend(backend, self.model, config, self.anchors, popart,
+                                     loss=loss, optimizer=optimizer)
+        self.loss, self.optimizer = loss, optimizer
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """New hyperparameters (learning rate, ...) for the next runs, without recompiling."""
+        self._backend.set_optimizer(optimizer)
+        self.optimizer = optimizer
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        self.set_optimizer(self.optimizer.with_learning_rate(learning_rate))
+
+    def set_random_seed(self, seed: int) -> None:
+        """Seed the session's random operators (the same seed gives the same run)."""
+        self._backend.set_random_seed(seed)

@@ -68,9 +68,10 @@ def _sdk_importable() -> bool:
 
 
 def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
-                 anchors: Mapping[str, AnchorReturnType], popart: Any = None) -> Backend:
+                 anchors: Mapping[str, AnchorReturnType], popart: Any = None,
+                 loss: str | None = None, optimizer: Any = None) -> Backend:
     """``auto`` is ``popart`` where the Poplar SDK imports (or a module is given) and ``xla``
-    elsewhere."""
+    elsewhere; a ``loss`` makes a training backend."""
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.")
     if name == "auto":
@@ -78,7 +79,11 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
     if name == "popart":
         from .popart_sdk import PopartBackend
 
-        return PopartBackend(model, config, anchors, popart)
+        return PopartBackend(model, config, anchors, popart, loss=loss, optimizer=optimizer)
+    if loss is not None:
+        from .xla.training import XlaTrainingBackend
+
+        return XlaTrainingBackend(model, config, anchors, loss, optimizer)
     from .xla.runtime import XlaBackend
 
     return XlaBackend(model, config, anchors)

@@ -64,12 +64,14 @@ def create_device(popart: Any, config: Any) -> Any:
 
 
 class PopartBackend:
-    """A PopART InferenceSession driven from the kit's config, anchors and host arrays."""
+    """A PopART InferenceSession, or TrainingSession given a loss and an optimizer, driven from
+    the kit's config, anchors and host arrays."""
 
     name = "popart"
 
     def __init__(self, model: onnx.ModelProto, config: Any,
-                 anchors: Mapping[str, AnchorReturnType], popart: Any = None) -> None:
+                 anchors: Mapping[str, AnchorReturnType], popart: Any = None,
+                 loss: str | None = None, optimizer: Any = None) -> None:
         self.popart = import_popart() if popart is None else popart
         self.model, self.config, self.anchors = model, config, dict(anchors)
         types = tensor_types(model)
@@ -96,9 +98,13 @@ class PopartBackend:
         if "constantWeights" not in config.popart_options:
             options.constantWeights = False
         self._offline = config.device.target == "offline"
-        self.session = popart_.InferenceSession(
-            fnModel=model.SerializeToString(), dataFlow=dataflow,
-            deviceInfo=create_device(popart_, config), userOptions=options)
+        common = {"fnModel": model.SerializeToString(), "dataFlow": dataflow,
+                  "deviceInfo": create_device(popart_, config), "userOptions": options}
+        if loss is None:
+            self.session = popart_.InferenceSession(**common)
+        else:
+            self.session = popart_.TrainingSession(
+                loss=loss, optimizer=optimizer.to_popart(popart_), **common)
         self._prepared = False
 
     def prepare(self) -> None:
@@ -129,6 +135,14 @@ class PopartBackend:
         anchors = self.io.allocate_anchors()
         self.session.run(self.io.stepio(inputs, anchors, self.popart))
         return anchors
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        self.prepare()
+        self.session.updateOptimizerFromHost(optimizer.to_popart(self.popart))
+
+    def set_random_seed(self, seed: int) -> None:
+        self.prepare()
+        self.session.setRandomSeed(seed)
 
     def weights(self) -> dict[str, np.ndarray]:
         self._need_variables()

@@ -32,6 +32,26 @@ __all__ = ["XlaBackend"]
 _REPLICA = "replica"
 
 
+def vmap(fn: Any, size: int, in_axes: tuple[int | None, ...], out_axes: Any = 0) -> Any:
+    """``jax.vmap`` over an axis of ``size``, except that a size of 1 is squeezed away: XLA on
+    CPU runs a matrix product with a batch dimension of 1 markedly slower than the plain one
+    (benchmarks/runtime_bench.py), and a replica block or accumulation of 1 is common."""
+    if size != 1:
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_size=size)
+
+    def call(*args: Any) -> Any:
+        squeezed = [arg if axis is None else jax.tree.map(lambda a, ax=axis: jnp.squeeze(a, ax),
+                                                            arg)
+                    for arg, axis in zip(args, in_axes, strict=True)]
+        out = fn(*squeezed)
+        if isinstance(out_axes, int):
+            return jax.tree.map(lambda o: jnp.expand_dims(o, out_axes), out)
+        return {k: jax.tree.map(lambda o, ax=out_axes[k]: jnp.expand_dims(o, ax), v)
+                for k, v in out.items()}
+
+    return call
+
+
 class XlaBackend:
     """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics."""
 
@@ -94,8 +114,8 @@ class XlaBackend:
         times slower than the same operations outside one (measured in
         benchmarks/runtime_bench.py), and this keeps the run one program all the same."""
         steps = self.config.batches_per_step * self.config.accumulation.factor
-        values = jax.vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)),
-                          axis_size=steps)({**streams, **fixed})
+        values = vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)), steps,
+                      (0,))({**streams, **fixed})
         out = {}
         for name, art in self.anchors.items():
             every = values[name]  # [M, *S]
@@ -115,8 +135,8 @@ class XlaBackend:
 
         def block(weights: Any, streams: Any, fixed: Any) -> Any:
             # the replicas of one device, vectorised; axis 1 of a stream is the replica
-            return jax.vmap(self._replica_program, in_axes=(None, 1, None),
-                            out_axes=stacked_out, axis_size=per_device)(weights, streams, fixed)
+            return vmap(self._replica_program, per_device, (None, 1, None),
+                        stacked_out)(weights, streams, fixed)
 
         if len(self.devices) == 1:
             return jax.jit(block)
@@ -136,23 +156,25 @@ class XlaBackend:
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def _device_inputs(self, inputs: Mapping[str, np.ndarray], as_shapes: bool = False
+    def _device_inputs(self, inputs: Mapping[str, np.ndarray], as_shapes: bool = False,
+                       steps: tuple[int, ...] | None = None
                        ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Canonical host arrays -> [M, R, *S] streams and [M, *S] Broadcast inputs, placed on
-        the replicas' devices (on one device the compiled program takes the host arrays);
-        ``as_shapes`` gives their shapes and placements only, for compiling."""
+        """Canonical host arrays -> [*steps, R, *S] streams and [*steps, *S] Broadcast inputs
+        (``steps`` defaults to (bps × A,)), placed on the replicas' devices (on one device the
+        compiled program takes the host arrays); ``as_shapes`` gives their shapes and
+        placements only, for compiling."""
         cfg = self.config
-        steps = cfg.batches_per_step * cfg.accumulation.factor
+        steps = steps or (cfg.batches_per_step * cfg.accumulation.factor,)
         replicas = cfg.replication.local_factor
         several = len(self.devices) > 1
         streams, fixed = {}, {}
         for name, spec in self.io.inputs.items():
             array = np.asarray(inputs[name], dtype=spec.dtype)  # PopART's int64 -> int32
             if spec.broadcast:
-                array, placement = array.reshape((steps,) + spec.shape), self._everywhere()
+                array, placement = array.reshape(steps + spec.shape), self._everywhere()
             else:
-                array = array.reshape((steps, replicas) + spec.shape)
-                placement = NamedSharding(self.mesh, P(None, _REPLICA))
+                array = array.reshape(steps + (replicas,) + spec.shape)
+                placement = NamedSharding(self.mesh, P(*(None,) * len(steps), _REPLICA))
             if as_shapes:
                 array = jax.ShapeDtypeStruct(array.shape, jnp.dtype(array.dtype),
                                              sharding=placement if several else None)

@@ -1,0 +1,261 @@
+"""Training sessions on the xla backend: PopART's accumulation, replication and update rules,
+checked as equivalences between configurations that must give the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from pydantic import ValidationError
+
+import popart_kit as pk
+
+pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
+RNG = np.random.default_rng(7)
+W1 = RNG.standard_normal((6, 8)).astype(np.float32) / 3
+W2 = RNG.standard_normal((8, 3)).astype(np.float32) / 3
+
+
+def classifier(micro: int, pipelined: bool = False):
+    """x [micro, 6] -> relu(x W1) W2 -> softmax -> nll loss (Mean over the micro-batch)."""
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b)
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [micro, 6]), debugContext="x")
+    label = b.addInputTensor(pk.TensorInfo("INT32", [micro]), debugContext="label")
+    with pb.stage(0) if pipelined else _nothing():
+        w1 = b.addInitializedInputTensor(W1, "w1")
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])])
+    with pb.stage(1) if pipelined else _nothing():
+        w2 = b.addInitializedInputTensor(W2, "w2")
+        probs = b.aiOnnx.softmax([b.aiOnnx.matmul([h, w2])], axis=1)
+        loss = b.aiGraphcore.nllloss([probs, label], pk.ReductionType.Mean)
+    return b.getModelProto(), loss, probs
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def data(samples: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(samples)
+    return (rng.standard_normal((samples, 6)).astype(np.float32),
+            rng.integers(0, 3, samples).astype(np.int32))
+
+
+def train(micro, bps=1, acc=1, local=1, reduction="mean", optimizer=None, pipelined=False,
+          x=None, y=None, runs=1):
+    model, loss, _ = classifier(micro, pipelined)
+    cfg = pk.SessionConfig(
+        mode="training", batches_per_step=bps, replication={"local_factor": local},
+        accumulation={"factor": acc, "reduction": reduction},
+        ipus_per_replica=2 if pipelined else 1, pipeline={"enabled": pipelined},
+        device={"target": "offline"})
+    sess = pk.TrainingSession(model, cfg, loss=loss,
+                              optimizer=optimizer or pk.SGD(learning_rate=0.1),
+                              anchors={loss: "All"}, backend="xla")
+    out = []
+    for run in range(runs):
+        block = slice(run * micro * bps * acc * local, (run + 1) * micro * bps * acc * local)
+        out.append(sess.run({"x": x[block].reshape(sess.io.input_shape("x")),
+                             "label": y[block].reshape(sess.io.input_shape("label"))}))
+    return sess.weights(), out, sess
+
+
+def close(a: dict, b: dict, rtol: float = 2e-5) -> None:
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("local", [2, 4])
+def test_replicas_are_one_big_micro_batch(local):
+    x, y = data(8 * local)
+    big, *_ = train(8 * local, x=x, y=y)
+    replicated, *_ = train(8, local=local, x=x, y=y)
+    close(big, replicated)
+
+
+@pytest.mark.parametrize("acc", [2, 4])
+def test_accumulation_is_one_big_micro_batch(acc):
+    x, y = data(8 * acc)
+    big, *_ = train(8 * acc, x=x, y=y)
+    accumulated, *_ = train(8, acc=acc, x=x, y=y)
+    close(big, accumulated)
+
+
+def test_sum_reduction_scales_as_popart_defines():
+    # Sum adds the A micro-batch gradients: A times the mean, so the same step as lr x A.
+    x, y = data(32)
+    summed, *_ = train(8, acc=4, reduction="sum", x=x, y=y)
+    big, *_ = train(32, x=x, y=y, optimizer=pk.SGD(learning_rate=0.4))
+    close(big, summed)
+
+
+def test_replicas_accumulation_and_device_iterations_are_sequential_big_batches():
+    x, y = data(3 * 2 * 2 * 4)  # bps 3, A 2, R 2, micro-batch 4
+    together, *_ = train(4, bps=3, acc=2, local=2, x=x, y=y)
+    # the same data as 3 sequential updates of one 16-sample batch, in PopART's order
+    order = x.reshape(3, 2, 2, 4, 6), y.reshape(3, 2, 2, 4)
+    steps = (order[0].reshape(3, 16, 6), order[1].reshape(3, 16))
+    model, loss, _ = classifier(16)
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(learning_rate=0.1),
+                              backend="xla")
+    for k in range(3):
+        sess.run({"x": steps[0][k], "label": steps[1][k]})
+    close(sess.weights(), together)
+
+
+def test_pipelined_training_with_accumulation_equals_unpipelined():
+    x, y = data(2 * 4 * 8)
+    plain, plain_out, _ = train(8, bps=2, acc=4, x=x, y=y)
+    piped, piped_out, _ = train(8, bps=2, acc=4, pipelined=True, x=x, y=y)
+    close(plain, piped)
+    (loss,) = plain_out[0]
+    np.testing.assert_allclose(plain_out[0][loss], piped_out[0][loss], rtol=1e-5)
+
+
+def test_the_same_run_twice_gives_the_same_weights():
+    x, y = data(128)
+    a, *_ = train(8, bps=2, acc=2, local=2, x=x, y=y, runs=2,
+                  optimizer=pk.Adam(learning_rate=0.01))
+    b, *_ = train(8, bps=2, acc=2, local=2, x=x, y=y, runs=2,
+                  optimizer=pk.Adam(learning_rate=0.01))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_momentum_and_adam_follow_their_update_rules():
+    x, y = data(16)
+    for optimizer in (pk.SGD(learning_rate=0.1, momentum=0.9, weight_decay=0.01),
+                      pk.Adam(learning_rate=0.01)):
+        session_weights, _, sess = train(8, bps=2, x=x, y=y, optimizer=optimizer)
+        # the same two updates by hand: gradients from a one-sample-batch session, then apply
+        grads_weights = {"w1": W1, "w2": W2}
+        import jax
+
+        state = optimizer.init({k: jax.numpy.asarray(v) for k, v in grads_weights.items()})
+        weights = {k: jax.numpy.asarray(v) for k, v in grads_weights.items()}
+        for step in range(2):
+            grads = _gradients(weights, x[step * 8:(step + 1) * 8], y[step * 8:(step + 1) * 8])
+            hyper = {k: jax.numpy.asarray(v, jax.numpy.float32)
+                     for k, v in optimizer.hyperparameters().items()}
+            weights, state = optimizer.apply(hyper, weights, grads, state)
+        close(session_weights, {k: np.asarray(v) for k, v in weights.items()}, rtol=1e-4)
+
+
+def _gradients(weights, x, y):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(w):
+        probs = jax.nn.softmax(jnp.maximum(x @ w["w1"], 0) @ w["w2"], axis=1)
+        return -jnp.log(probs[jnp.arange(len(y)), y]).mean()
+
+    return jax.grad(loss)(weights)
+
+
+# -- anchors in training: an x + w model with a zero-weight loss (reference §2) ----------------
+
+
+@pytest.mark.parametrize("bps, acc", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
+def test_training_anchor_values(bps, acc):
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.array([10.0, 20.0], np.float32))
+    s = b.aiOnnx.add([x, w])
+    loss = b.aiGraphcore.l1loss([s], 0.0)
+    arts = {"All": "All", "Final": "Final", "Sum": "Sum"} | (
+        {"EveryN": ("EveryN", 2)} if bps % 2 == 0 else {})
+    cfg = pk.SessionConfig(mode="training", batches_per_step=bps,
+                           accumulation={"factor": acc}, device={"target": "offline"})
+    results = {}
+    for label, art in arts.items():
+        sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss,
+                                  optimizer=pk.SGD(learning_rate=1.0), anchors={s: art, w: art},
+                                  backend="xla")
+        inputs = np.arange(bps * acc * 2, dtype=np.float32).reshape(sess.io.input_shape(x))
+        results[label] = sess.run({x: inputs})
+        np.testing.assert_array_equal(sess.weights()[w], [10.0, 20.0])  # zero gradient
+    micro = inputs.reshape(bps * acc, 2) + [10.0, 20.0]
+    np.testing.assert_array_equal(results["All"][s].reshape(-1, 2), micro)
+    np.testing.assert_array_equal(results["Final"][s], micro[-1])
+    np.testing.assert_array_equal(results["Sum"][s], micro.sum(0))
+    np.testing.assert_array_equal(results["All"][w].reshape(-1, 2),
+                                  np.tile([10.0, 20.0], (bps * acc, 1)))
+    if "EveryN" in results:  # micro-batches N-1, 2N-1, ... of the bps x A run
+        np.testing.assert_array_equal(results["EveryN"][s].reshape(-1, 2), micro[1::2])
+
+
+# -- the session's controls -------------------------------------------------------------------
+
+
+def test_learning_rate_changes_without_recompiling():
+    x, y = data(32)
+    weights, _, sess = train(8, x=x, y=y)
+    program = sess._backend._program
+    sess.set_learning_rate(1e-12)
+    sess.run({"x": x[8:16], "label": y[8:16]})
+    assert sess._backend._program is program
+    close(sess.weights(), weights, rtol=1e-9)  # a learning rate of 1e-12 moves nothing
+    with pytest.raises(ValueError, match="not the same kind of optimizer"):
+        sess.set_optimizer(pk.SGD(learning_rate=0.1, momentum=0.5))
+
+
+def test_the_trained_model_carries_the_trained_weights():
+    x, y = data(16)
+    weights, _, sess = train(8, bps=2, x=x, y=y)
+    proto = sess.model_proto()
+    onnx.checker.check_model(proto)
+    saved = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for name in ("w1", "w2"):
+        np.testing.assert_array_equal(saved[name], weights[name])
+    assert not np.allclose(saved["w1"], W1)
+    # its forward pass (ai.onnx ops, up to the probabilities) runs in onnxruntime
+    _, _, probs = classifier(8)
+    proto.graph.node.pop()  # the ai.graphcore loss, and its label input
+    label = next(i for i in proto.graph.input if i.name == "label")
+    proto.graph.input.remove(label)
+    proto.graph.output.clear()
+    proto.graph.output.append(onnx.helper.make_tensor_value_info(probs, 1, [8, 3]))
+    got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]
+                               ).run([probs], {"x": x[:8]})[0]
+    h = np.maximum(x[:8] @ weights["w1"], 0) @ weights["w2"]
+    want = np.exp(h) / np.exp(h).sum(1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_refusals():
+    model, loss, _ = classifier(4, pipelined=True)
+    stale = pk.SessionConfig(mode="training", batches_per_step=4, ipus_per_replica=2,
+                             pipeline={"enabled": True}, device={"target": "offline"})
+    with pytest.raises(ValidationError, match="stale weights"):
+        pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    model, _, probs = classifier(4)
+    with pytest.raises(ValidationError, match="loss 'nope' is not a tensor"):
+        pk.TrainingSession(model, cfg, loss="nope", optimizer=pk.SGD(0.1),
+                           anchors={probs: "All"}, backend="xla")
+    with pytest.raises(ValueError, match="needs a config with mode='training'"):
+        pk.TrainingSession(classifier(4)[0], pk.SessionConfig(mode="inference"), loss=loss,
+                           optimizer=pk.SGD(0.1), backend="xla")
+
+
+def test_the_main_job_trains():
+    script = Path(__file__).parent.parent / "examples" / "train.py"
+    result = subprocess.run([sys.executable, str(script), "--runs", "20"], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    first, last = (float(v) for v in result.stdout.split("loss ")[-1].split(" over")[0]
+                   .split(" -> "))
+    assert last < first / 2
+    accuracy = float(result.stdout.split("held-out accuracy ")[1].split("%")[0])
+    assert accuracy > 60
