@@ -116,7 +116,13 @@ class TrainingSession(_Session):
         self.loss, self.optimizer = loss, optimizer
 
     def set_optimizer(self, optimizer: Any) -> None:
-        """New hyperparameters (learning rate, ...) for the next runs, without recompiling."""
+        """New hyperparameters (learning rate, ...) for the next runs, without recompiling;
+        the optimizer must be of the same kind (type and program_key), as PopART requires."""
+        if type(optimizer) is not type(self.optimizer) or (
+                optimizer.program_key != self.optimizer.program_key):
+            raise ValueError(f"set_optimizer: {optimizer!r} is not the same kind of optimizer as "
+                             f"{self.optimizer!r}. Fix: change only its numbers (learning "
+                             f"rate, momentum, ...), or make a new session.")
         self._backend.set_optimizer(optimizer)
         self.optimizer = optimizer
 

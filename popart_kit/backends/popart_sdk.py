@@ -137,10 +137,13 @@ class PopartBackend:
         return anchors
 
     def set_optimizer(self, optimizer: Any) -> None:
+        """New hyperparameters (the session checked it is the same kind of optimizer)."""
+        self._refuse_offline("take a new optimizer")
         self.prepare()
         self.session.updateOptimizerFromHost(optimizer.to_popart(self.popart))
 
     def set_random_seed(self, seed: int) -> None:
+        self._refuse_offline("seed its device")
         self.prepare()
         self.session.setRandomSeed(seed)
 

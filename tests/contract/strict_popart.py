@@ -40,6 +40,17 @@ modelToHost on host arrays; the manifest's other methods raise NotImplementedErr
 :func:`created_sessions` lists the sessions a module made. DeviceManager calls are checked as
 devicemanager.cpp checks them (power of two, ``Never``, host device options) and each returned
 :class:`DeviceCall` records its method, its arguments and the device's type and IPU count.
+
+``SGD``, ``ConstSGD`` (an SGD) and ``Adam`` take the manifest's constructor parameters and
+PopART's values dict ``{"defaultLearningRate": (value, isConst), ...}`` with only the keys
+PopART's ``getComplete`` accepts, and raise PopART's value checks; :func:`optimizer_record` tells
+what one was made with and the complete ``(value, isConst)`` map PopART holds (float32 values).
+``TrainingSession`` takes the manifest's constructor parameters (``loss`` a scalar tensor of the
+model made by an op, ``optimizer`` one of these optimizers) and behaves as ``InferenceSession``
+(weights always variables; each run leaves :func:`trained_pattern` in the device's weights),
+plus ``updateOptimizerFromHost`` (PopART's ``validReplacement`` rules) and ``setRandomSeed``
+(a uint64; a no-op, as in PopART, without random ops or stochastic rounding), both recorded in
+:class:`SessionRecord`.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ import numpy as np
 __all__ = ["MANIFEST", "BROKEN_OPTIONS", "make_popart_module", "set_log", "to_plain",
            "check_value", "EnumMember", "DeviceCall", "stepio_arrays", "stepio_callbacks",
            "first_run_check", "simulate_run", "SimulatedRun", "weights_io_arrays",
-           "SessionRecord", "session_record", "created_sessions", "run_pattern"]
+           "SessionRecord", "session_record", "created_sessions", "run_pattern",
+           "OptimizerRecord", "optimizer_record", "trained_pattern", "RANDOM_OPS"]
 
 MANIFEST: dict[str, Any] = json.loads(
     (Path(__file__).with_name("popart_api.json")).read_text(encoding="utf-8"))
@@ -131,8 +143,11 @@ class _EnumMeta(type):
         raise TypeError(f"{cls.__name__}() takes one int value")
 
 
-def _make_enum(name: str, members: list[str]) -> type:
-    values = {m: EnumMember(name, m, i) for i, m in enumerate(members)}
+def _make_enum(name: str, members: list[str], cpp_values: dict[str, int] | None = None) -> type:
+    """Members in binding order; ``value`` is the C++ value where ``cpp_values`` gives it (the
+    enum's declaration order may differ from the binding's), else the binding position."""
+    values = {m: EnumMember(name, m, (cpp_values or {}).get(m, i))
+              for i, m in enumerate(members)}
     namespace = dict(values)
     namespace["__members__"] = types.MappingProxyType(dict(values))
     namespace["__module__"] = "popart"
@@ -1106,6 +1121,302 @@ def weights_io_arrays(weights_io: Any) -> dict[str, np.ndarray]:
     return dict(object.__getattribute__(weights_io, "_weights"))
 
 
+# -- optimizers --------------------------------------------------------------------------------
+
+# willow/include/popart/adam.hpp: enum class AdamMode { Adam = 0, AdamNoBias, AdaMax, Lamb,
+# LambNoBias } (popart.cpp binds them in another order: the manifest's).
+_CPP_ENUM_VALUES = {"AdamMode": {"Adam": 0, "AdamNoBias": 1, "AdaMax": 2, "Lamb": 3,
+                                 "LambNoBias": 4}}
+
+# Ops whose IR ops are RandomBaseOps (willow/include/popart/op/{dropout,randomnormal,
+# randomuniform,shapeddropout}.hpp): RandomSetup::requiresRandomSeed (randomsetup.cpp L854-864).
+RANDOM_OPS = frozenset({"Dropout", "ShapedDropout", "RandomNormal", "RandomNormalLike",
+                        "RandomUniform", "RandomUniformLike"})
+
+
+@dataclass
+class OptimizerRecord:
+    """What a recorded ``popart.SGD`` / ``ConstSGD`` / ``Adam`` was made with.
+
+    ``cls``: its class name; ``type``: PopART's ``Optimizer::type_s()`` ("SGD" for SGD and
+    ConstSGD, "Adam"); ``args`` / ``keywords``: the constructor call exactly as made; ``given``:
+    every constructor parameter by PopART's name, defaults filled in; ``values``: the complete
+    map PopART builds (``getComplete``: every key, the unset ones at the ``getUnset*`` defaults,
+    the deprecated ``maxWeightNorm`` folded into ``defaultMaxWeightNorm``), each ``(value,
+    isConst)`` with the value as the C++ ``float`` holds it (rounded to float32); ``settings``:
+    the other things the C++ object holds that ``validReplacement`` or the Ir read
+    (accumulatorAndMomentum, accumType, accl1Type; or mode, weight_decay_mode, accum_type,
+    accl1_type, accl2_type, scaled_optimizer_state), as PopART members."""
+
+    cls: str
+    type: str
+    args: tuple
+    keywords: dict[str, Any]
+    given: dict[str, Any]
+    values: dict[str, tuple[float, bool]]
+    settings: dict[str, Any]
+
+
+def optimizer_record(optimizer: Any) -> OptimizerRecord:
+    """The record of a recorded optimizer (a copy: the optimizer is immutable from Python)."""
+    rec = object.__getattribute__(optimizer, "_record")
+    return OptimizerRecord(rec.cls, rec.type, rec.args, dict(rec.keywords), dict(rec.given),
+                           dict(rec.values), dict(rec.settings))
+
+
+def _f32(value: float) -> float:
+    """A Python number as the C++ ``float`` pybind11 stores (then read back as a double)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def _make_optimizers(popart: Any) -> type:
+    """``popart.SGD``, ``popart.ConstSGD`` (a subclass of SGD) and ``popart.Adam``, with their
+    enums (popart.cpp L829-957 over willow/src/{optimizer,sgd,adam}.cpp); returns their base
+    (PopART's ``Optimizer``, which the manifest does not list and this module does not expose).
+
+    The values dict is read as ``getOptimizerValueDictionary`` reads it (popart.cpp L113-130):
+    ``str`` keys (else popart_exception), ``tuple`` values (else popart_exception) cast to
+    ``std::pair<float, bool>`` (else pybind11's cast error, a RuntimeError; ``isConst`` must be a
+    ``bool`` here, stricter than pybind11's bool caster). Then ``getComplete`` refuses a key
+    PopART does not know, ``Optimizer`` a loss scaling of 0, and ``runValueChecks`` negative
+    values, a constant zero learning rate, ... as PopART does."""
+    specs = {name: MANIFEST["classes"][name] for name in ("SGD", "ConstSGD", "Adam")}
+    for name in ("SGD", "Adam"):
+        for enum, members in specs[name]["enums"].items():
+            if not hasattr(popart, enum):
+                setattr(popart, enum, _make_enum(enum, members, _CPP_ENUM_VALUES.get(enum)))
+
+    def error(message: str) -> Exception:
+        return popart.popart_exception(message)
+
+    def values_dict(value: Any, where: str) -> dict[str, tuple[float, bool]]:
+        if not isinstance(value, dict):  # py::dict
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
+                            f"a dict of str -> (float, bool)")
+        out = {}
+        for key, pair in value.items():
+            if not isinstance(key, str):
+                raise error("A key in the optimizer map input must be a py::str (in "
+                            "getOptimizerValueDictionary)")
+            if not isinstance(pair, tuple):
+                raise error("A value in the optimizer map must be a py::tuple (in "
+                            "getOptimizerValueDictionary)")
+            if len(pair) != 2 or not (_is_int(pair[0]) or isinstance(pair[0], float)) \
+                    or not isinstance(pair[1], bool):
+                raise RuntimeError(f"Unable to cast Python instance of type "
+                                   f"{type(pair).__name__} {pair!r} to C++ type "
+                                   f"'std::pair<float, bool>' ({where}[{key!r}])")
+            out[key] = (_f32(pair[0]), pair[1])
+        return out
+
+    def clip_norm_settings(value: Any, where: str) -> list:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
+                            f"a list of popart.ClipNormSettings")
+        if value:
+            raise TypeError(f"{where}: the strict recorder has no popart.ClipNormSettings; "
+                            f"pass [] (PopART's default)")
+        return []
+
+    def complete(cls_name: str, given: dict[str, tuple[float, bool]]
+                 ) -> dict[str, tuple[float, bool]]:
+        """SGD::getComplete / Adam::getComplete over the std::map (sorted keys)."""
+        spec = specs[cls_name]
+        keys = spec["value_keys"]
+        out = {k: (_f32(v), c) for k, (v, c) in spec["value_defaults"].items()}
+        for key in sorted(given):
+            if key not in keys:
+                raise error(f"Invalid {cls_name} key, {key}, the allowed keys are ( "
+                            + "".join(f"{k} " for k in keys) + ")")
+            # Adam: "Using 'maxWeightNorm' as a key in the Adam constructor is deprecated."
+            out["defaultMaxWeightNorm" if key == "maxWeightNorm" else key] = given[key]
+        return out
+
+    def fmt(value: float) -> str:
+        return str(np.float32(value))
+
+    def check_values(cls_name: str, v: dict[str, tuple[float, bool]]) -> None:
+        ls = v["lossScaling"][0]
+        if not (ls > 0 or ls < 0):  # Optimizer::Optimizer
+            raise error("Loss scaling cannot be 0")
+        lr, lr_const = v["defaultLearningRate"]
+        wd = v["defaultWeightDecay"][0]
+        if lr < 0:
+            raise error(f"Negative learning rate ({fmt(lr)}) in {cls_name}, bailing as this "
+                        f"might be a user error.")
+        if lr == 0 and lr_const:
+            raise error(f"Constant, zero learning rate in {cls_name}, bailing as this might be "
+                        f"a user error.")
+        if wd < 0:
+            raise error(f"Negative weight decay ({fmt(wd)}) in {cls_name}, bailing as this "
+                        f"might be a user error")
+        if cls_name == "SGD":  # SGD::runValueChecks
+            mm, dp = v["defaultMomentum"][0], v["defaultDampening"][0]
+            vs, nt = v["defaultVelocityScaling"][0], v["nesterov"][0]
+            if mm < 0:
+                raise error(f"Negative momentum ({fmt(mm)}) in SGD, bailing as this might be a "
+                            f"user error")
+            if dp < 0:
+                raise error(f"Negative dampening ({fmt(dp)}) in SGD, bailing as this might be "
+                            f"a user error")
+            if vs <= 0:
+                raise error(f"Non-positive velocity scaling ({fmt(vs)}) in SGD is not "
+                            f"supported")
+            if nt != 0 and dp > 0:
+                raise error(f"When enable nesterov momentum, dampening ({fmt(dp)}) in SGD "
+                            f"shouled be zero")
+        else:  # Adam::runValueChecks
+            b1, b2, eps = (v[k][0] for k in ("defaultBeta1", "defaultBeta2", "defaultEps"))
+            if b1 < 0:
+                raise error(f"Negative beta1 ({fmt(b1)}) in Adam, bailing as this might be a "
+                            f"user error")
+            if b2 < 0:
+                raise error(f"Negative beta2 ({fmt(b2)}) in Adam, bailing as this might be a "
+                            f"user error")
+            if eps <= 0:
+                raise error(f"Non-positive eps ({fmt(eps)}) in Adam is not supported")
+
+    def replacement_error(message: str) -> Exception:
+        return popart.popart_runtime_error(message)  # optimizer_replacement_error
+
+    def check_replacement(name: str, this: tuple[float, bool], other: tuple[float, bool],
+                          is_map: bool = True) -> None:
+        """Optimizer::checkReplacementValue over OptimizerValue(Map)::validReplacement."""
+        if this[1] != other[1]:
+            why = "Can not replace a constant value with a non constant value."
+        elif this[1] and this[0] - other[0] != 0.0:
+            why = "Values are constant but do not match."
+        else:
+            return
+        prefix = "Default value is not a valid replacement. " if is_map else ""
+        raise replacement_error(f"Problem with {name}. {prefix}{why}")
+
+    class Optimizer:
+        __slots__ = ("_record",)
+        __module__ = "popart"
+        __setattr__ = _frozen_setattr("Optimizer")
+
+        def getLossScalingVal(self) -> float:  # noqa: N802
+            return self._record.values["lossScaling"][0]
+
+        def _clone(self) -> Any:
+            """Optimizer::clone: what the Ir keeps (the Python object stays the caller's)."""
+            new = object.__new__(type(self))
+            object.__setattr__(new, "_record", optimizer_record(self))
+            return new
+
+        def _set_factors_from_options(self, opts: Any) -> None:
+            """Adam::setFactorsFromOptions (adam.cpp L356-362)."""
+            rec = self._record
+            if rec.type == "Adam" and rec.settings["scaled_optimizer_state"] \
+                    and opts.automaticLossScalingSettings.enabled:
+                raise error("scaledOptimizerState and automaticLossScaling are not compatible.")
+
+        def _valid_replacement(self, other: Any) -> None:
+            """Optimizer::validReplacement, then SGD's (sgd.cpp L691-747) or Adam's (adam.cpp
+            L589-615). SGD checks neither dampening nor, without a velocity tensor, the
+            accumulator settings; Adam checks neither accumulator types nor
+            scaled_optimizer_state."""
+            this, new = self._record, other._record  # no clip norm settings on either
+            if this.type != new.type:
+                raise replacement_error(f"Can not replace optimizer of type {this.type} with "
+                                        f"new optimizer of type {new.type}")
+            a, b = this.values, new.values
+            if this.type == "Adam":
+                if this.settings["mode"] is not new.settings["mode"]:
+                    raise replacement_error("Adam modes do not match")
+                if this.settings["weight_decay_mode"] is not new.settings["weight_decay_mode"]:
+                    raise replacement_error("Weight decay modes do not match")
+                check_replacement("loss scaling", a["lossScaling"], b["lossScaling"], False)
+                for key, name in (("defaultLearningRate", "learning rates"),
+                                  ("defaultWeightDecay", "weight decays"),
+                                  ("defaultBeta1", "beta1s"), ("defaultBeta2", "beta2s"),
+                                  ("defaultEps", "eps"), ("defaultMaxWeightNorm", "mwn")):
+                    check_replacement(name, a[key], b[key])
+                return
+            check_replacement("loss scaling", a["lossScaling"], b["lossScaling"], False)
+            for key, name in (("defaultLearningRate", "learning rates"),
+                              ("defaultWeightDecay", "weight decays"),
+                              ("defaultMomentum", "momentums"),
+                              ("defaultVelocityScaling", "velocity scalings"),
+                              ("nesterov", "nesterov")):
+                check_replacement(name, a[key], b[key])
+
+            def velocity(values: dict) -> bool:
+                mm, const = values["defaultMomentum"]
+                return not const or mm != 0.0
+
+            if velocity(a) != velocity(b):
+                raise replacement_error("this does not require a velocity tensor, but other "
+                                        "does.")
+            if not velocity(a):
+                return
+            s, t = this.settings, new.settings
+            if s["accumulatorAndMomentum"] is not t["accumulatorAndMomentum"]:
+                raise replacement_error(
+                    f"this has SGDAccumulatorAndMomentum {s['accumulatorAndMomentum'].name}, "
+                    f"but other has {t['accumulatorAndMomentum'].name}")
+            if s["accumulatorAndMomentum"] is popart.SGDAccumulatorAndMomentum.Separate:
+                for key, name in (("accumType", "sgdAccumType"), ("accl1Type", "sgd2Accl1Type")):
+                    if s[key] is not t[key]:
+                        raise replacement_error(
+                            f"this has SGDAccumulatorAndMomentum::Separate and {name} "
+                            f"{s[key].name}, but other has {t[key].name}")
+
+        def __repr__(self) -> str:
+            return f"<strict popart.{self._record.cls} {self._record.values}>"
+
+    def make(cls_name: str, base: type, checkers: dict[str, Any], build: Any) -> type:
+        spec = specs[cls_name]
+        params: list[str] = spec["ctor"][0]
+        defaults = {k: _ctor_default(popart, v) for k, v in spec["ctor_defaults"].items()}
+        assert set(checkers) == set(params), (cls_name, params)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            _, given = _resolve_overload(cls_name, [params], defaults, checkers, args, kwargs)
+            values, settings = build(given)
+            values = complete("Adam" if cls_name == "Adam" else "SGD", values)
+            check_values("Adam" if cls_name == "Adam" else "SGD", values)
+            object.__setattr__(self, "_record", OptimizerRecord(
+                cls_name, "Adam" if cls_name == "Adam" else "SGD", tuple(args), dict(kwargs),
+                given, values, settings))
+
+        namespace = {"__slots__": (), "__init__": __init__, "__module__": "popart"}
+        for method in spec["methods"]:
+            if not hasattr(base, method):
+                namespace[method] = _not_implemented(cls_name, method)
+        return type(cls_name, (base,), namespace)
+
+    enum = lambda name: _checker(popart, f"enum:{name}")  # noqa: E731
+    text = _checker(popart, "str")  # DebugContext: from a str
+    popart.SGD = make("SGD", Optimizer, {
+        "pyd": values_dict, "clip_norm_settings": clip_norm_settings,
+        "accumulatorAndMomentum": enum("SGDAccumulatorAndMomentum"),
+        "accumType": enum("DataType"), "accl1Type": enum("DataType"), "debugContext": text,
+    }, lambda g: (g["pyd"], {k: g[k] for k in ("accumulatorAndMomentum", "accumType",
+                                               "accl1Type")}))
+    popart.ConstSGD = make("ConstSGD", popart.SGD, {
+        "learning_rate": _checker(popart, "float"), "weight_decay": _checker(popart, "float"),
+        "loss_scaling": _checker(popart, "float"), "clip_norm_settings": clip_norm_settings,
+    }, lambda g: ({"defaultLearningRate": (_f32(g["learning_rate"]), True),
+                   "defaultWeightDecay": (_f32(g["weight_decay"]), True),
+                   "lossScaling": (_f32(g["loss_scaling"]), True)},
+                  {"accumulatorAndMomentum": popart.SGDAccumulatorAndMomentum.Combined,
+                   "accumType": popart.DataType.UNDEFINED,
+                   "accl1Type": popart.DataType.UNDEFINED}))
+    popart.Adam = make("Adam", Optimizer, {
+        "values": values_dict, "mode": enum("AdamMode"),
+        "weight_decay_mode": enum("WeightDecayMode"), "accum_type": enum("DataType"),
+        "accl1_type": enum("DataType"), "accl2_type": enum("DataType"),
+        "clip_norm_settings": clip_norm_settings,
+        "scaled_optimizer_state": _checker(popart, "bool"), "debugContext": text,
+    }, lambda g: (g["values"], {k: g[k] for k in ("mode", "weight_decay_mode", "accum_type",
+                                                  "accl1_type", "accl2_type",
+                                                  "scaled_optimizer_state")}))
+    return Optimizer
+
+
 # -- InferenceSession ----------------------------------------------------------------------------
 
 # willow/include/popart/replicatedstreammode.hpp: enum class ReplicatedStreamMode { Broadcast,
@@ -1128,7 +1439,11 @@ class SessionRecord:
     method called, in order; ``runs``: the stepio of each ``run``; ``read`` / ``written``: the
     names each readWeights filled / each writeWeights stored (``runs`` holds the runs PopART's
     checks let through; ``calls`` every attempt); ``popdist_init``: whether PopART's
-    Python constructor would have called ``_popdist_backend_manager.init``."""
+    Python constructor would have called ``_popdist_backend_manager.init``; ``optimizers``:
+    the optimizer each ``updateOptimizerFromHost`` PopART accepted installed (PopART's clone:
+    read it with :func:`optimizer_record`); ``seeds``: ``(seed, applied)`` of each
+    ``setRandomSeed`` PopART accepted (``applied`` False where the session has no random
+    behaviour and PopART only warns)."""
 
     args: tuple = ()
     keywords: dict[str, Any] = field(default_factory=dict)
@@ -1138,6 +1453,8 @@ class SessionRecord:
     read: list[list[str]] = field(default_factory=list)
     written: list[list[str]] = field(default_factory=list)
     popdist_init: bool = False
+    optimizers: list[Any] = field(default_factory=list)
+    seeds: list[tuple[int, bool]] = field(default_factory=list)
 
     @property
     def methods(self) -> list[str]:
@@ -1145,12 +1462,13 @@ class SessionRecord:
 
 
 def session_record(session: Any) -> SessionRecord:
-    """The record of a recorded InferenceSession."""
+    """The record of a recorded InferenceSession or TrainingSession."""
     return object.__getattribute__(session, "_record")
 
 
 def created_sessions(popart: Any) -> list[Any]:
-    """Every InferenceSession the recorder module ``popart`` constructed, in order."""
+    """Every InferenceSession and TrainingSession the recorder module ``popart`` constructed,
+    in order."""
     return list(popart.InferenceSession._created)
 
 
@@ -1196,9 +1514,10 @@ def _tensor_types(model: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return out
 
 
-def _make_inference_session(popart: Any) -> type:
-    """PopART's Python ``InferenceSession`` (python_files/session.py) over ``_InferenceSessionCore``
-    (popart.cpp L2001-2190) and willow/src/session.cpp, modelled on host arrays.
+def _make_session(popart: Any, cls_name: str, optimizer_base: type, created: list) -> type:
+    """PopART's Python ``InferenceSession`` / ``TrainingSession`` (python_files/session.py) over
+    ``_InferenceSessionCore`` / ``_TrainingSessionCore`` (popart.cpp L2001-2330) and
+    willow/src/session.cpp, modelled on host arrays.
 
     Weights: with ``constantWeights`` (the default) an inference session makes every initializer
     a constant (ir.cpp L2330-2336), so it has no weight tensors: readWeights fills nothing
@@ -1208,11 +1527,22 @@ def _make_inference_session(popart: Any) -> type:
     (weightsFromHost copies host to device, weightsToHost device to host, modelToHost writes
     the device's values into the model). Before the first weightsFromHost the device holds
     uninitialised memory, here the byte 0xAB.
+
+    A training session (ir.cpp L1312, L3141-3165, session.cpp L977-1023) needs no anchor; its
+    ``loss`` must be a tensor of the model, produced by an op, of at most one element; its
+    ``optimizer`` one of this module's optimizers (the Ir holds a clone). Its initializers are
+    always weights (``constantWeights`` applies to inference only), and each ``run`` leaves
+    :func:`trained_pattern` in every floating-point weight on the device.
+    ``updateOptimizerFromHost`` checks the new optimizer as ``Optimizer::validReplacement``
+    does (sgd.cpp L691-747, adam.cpp L589-615: same type, same constant values, ...) and writes
+    it to the device. ``setRandomSeed`` (session.cpp L286-306) does nothing, as PopART, in a
+    session without random behaviour (no op of :data:`RANDOM_OPS`, no stochastic rounding).
     """
-    spec = MANIFEST["classes"]["InferenceSession"]
+    training = cls_name == "TrainingSession"
+    spec = MANIFEST["classes"][cls_name]
     params: list[str] = spec["ctor"][0]
-    assert params == ["fnModel", "dataFlow", "deviceInfo", "inputShapeInfo", "patterns",
-                      "userOptions", "name"], params
+    assert params == ["fnModel", "dataFlow", *(["loss", "optimizer"] if training else []),
+                      "deviceInfo", "inputShapeInfo", "patterns", "userOptions", "name"], params
     defaults = {k: _ctor_default(popart, v) for k, v in spec["ctor_defaults"].items()}
     garbage = 0xAB
 
@@ -1233,7 +1563,7 @@ def _make_inference_session(popart: Any) -> type:
     def device_info(value: Any, where: str) -> Any:
         if value is None:  # createFromOnnxModel's own check
             raise popart.popart_exception(
-                "Must pass a valid deviceInfo to InferenceSession::createFromOnnxModel")
+                f"Must pass a valid deviceInfo to {cls_name}::createFromOnnxModel")
         if not isinstance(value, DeviceCall) or not isinstance(value.manager,
                                                               popart.DeviceManager):
             raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
@@ -1250,37 +1580,65 @@ def _make_inference_session(popart: Any) -> type:
             return value
         return check
 
+    def optimizer(value: Any, where: str) -> Any:
+        # `const Optimizer &`: an instance of a bound Optimizer subclass (None does not bind)
+        if not isinstance(value, optimizer_base):
+            raise TypeError(f"{where}: incompatible type {type(value).__name__}; PopART expects "
+                            f"a popart.SGD, popart.ConstSGD or popart.Adam of this module")
+        return value
+
     checkers = {"fnModel": fn_model, "dataFlow": of_class("DataFlow"),
                 "deviceInfo": device_info, "inputShapeInfo": unsupported("InputShapeInfo"),
                 "patterns": unsupported("Patterns"), "userOptions": of_class("SessionOptions"),
-                "name": _checker(popart, "str")}
+                "name": _checker(popart, "str"), "loss": _checker(popart, "str"),
+                "optimizer": optimizer}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         record = SessionRecord(tuple(args), dict(kwargs))
         object.__setattr__(self, "_record", record)
-        _, given = _resolve_overload("InferenceSession", [params], defaults, checkers, args,
-                                     kwargs)
+        _, given = _resolve_overload(cls_name, [params], defaults, checkers, args, kwargs)
         record.given = dict(given)
         opts = given["userOptions"]
         record.popdist_init = bool(opts.enableDistributedReplicatedGraphs)
         opts = opts._copy()  # the Ir holds its own SessionOptions
         model = _load_model(popart, given["fnModel"])
         dataflow = given["dataFlow"]._copy()
-        if dataflow.nAnchors() == 0:
+        if dataflow.nAnchors() == 0 and not training:  # Ir::setDataFlow
             raise popart.popart_exception(
                 "User must specify an anchor tensor when doing inference.")
+        produced = {o for node in model.graph.node for o in node.output if o}
         tensors = {i.name for i in model.graph.input} | {
-            t.name for t in model.graph.initializer} | {
-            o for node in model.graph.node for o in node.output if o}
+            t.name for t in model.graph.initializer} | produced
         for anchor in dataflow.anchors():
             if anchor not in tensors:
+                if training and "___" in anchor:  # Gradient___x, Accl___x, ...
+                    raise NotImplementedError(
+                        f"anchor {anchor!r}: the strict recorder does not build PopART's "
+                        f"backward pass, so it cannot tell which of its tensors exist")
                 raise popart.popart_exception(f"Anchor tensor `{anchor}' not in Ir Tensors. The "
                                               f"tensors are:\n{sorted(tensors)}")
+        optimizer_now = None
+        if training:
+            loss = given["loss"]
+            if loss not in tensors:  # Ir::setFinalLoss
+                raise popart.popart_exception(
+                    f"Could not find loss tensor '{loss}' in main graph tensors")
+            types_ = _tensor_types(model)
+            if loss not in types_:
+                raise popart.popart_exception(f"strict recorder: no shape for loss {loss}")
+            if math.prod(types_[loss][0]) > 1:
+                raise popart.popart_exception(f"Loss tensor, '{loss}', must be a scalar tensor")
+            if loss not in produced:  # Tensor::getProducer
+                raise popart.popart_exception(f"No producer for tensor {loss} to return")
+            optimizer_now = given["optimizer"]._clone()
+            optimizer_now._set_factors_from_options(opts)
         import onnx.numpy_helper
 
         initializers = {t.name: onnx.numpy_helper.to_array(t).copy()
                         for t in model.graph.initializer}
-        constant = opts.constantWeights  # inference session: ir.cpp L2330-2336
+        # inference sessions only: ir.cpp L2330-2336
+        constant = opts.constantWeights and not training
+        random_ops = {n.op_type for n in model.graph.node} & RANDOM_OPS
         state = {
             "model": model, "dataflow": dataflow, "options": opts, "device": given["deviceInfo"],
             "constant": constant, "initializers": initializers,
@@ -1288,10 +1646,11 @@ def _make_inference_session(popart: Any) -> type:
             "on_device": {} if constant else {
                 k: np.frombuffer(bytes([garbage]) * v.nbytes, v.dtype).reshape(v.shape).copy()
                 for k, v in initializers.items()},
-            "prepared": False, "engine": False, "runs": 0,
+            "prepared": False, "engine": False, "runs": 0, "optimizer": optimizer_now,
+            "random": bool(random_ops) or opts.enableStochasticRounding, "seed": None,
         }
         object.__setattr__(self, "_state", state)
-        type(self)._created.append(self)
+        created.append(self)
 
     def log(self, method: str, args: tuple, kwargs: dict) -> None:
         self._record.calls.append((method, tuple(args), dict(kwargs)))
@@ -1314,7 +1673,7 @@ def _make_inference_session(popart: Any) -> type:
 
     def prepareDevice(self, loadEngine: bool = True) -> None:  # noqa: N802, N803
         log(self, "prepareDevice", (), {"loadEngine": loadEngine})
-        check_value(popart, "bool", loadEngine, "InferenceSession.prepareDevice(loadEngine=)")
+        check_value(popart, "bool", loadEngine, f"{cls_name}.prepareDevice(loadEngine=)")
         st = self._state
         opts = st["options"]
         if not opts.enableReplicatedGraphs and opts.replicatedGraphCount > 1:
@@ -1435,10 +1794,10 @@ def _make_inference_session(popart: Any) -> type:
     def run(self, *args: Any, **kwargs: Any) -> None:
         log(self, "run", args, kwargs)
         if (args and isinstance(args[0], str)) or "programHandle" in kwargs:
-            raise NotImplementedError("popart.InferenceSession.run(programHandle, stepio, "
+            raise NotImplementedError(f"popart.{cls_name}.run(programHandle, stepio, "
                                       "debugName) is not implemented by the strict recorder")
         _, given = _resolve_overload(
-            "InferenceSession.run", [["stepio", "debugName"]], {"debugName": lambda: ""},
+            f"{cls_name}.run", [["stepio", "debugName"]], {"debugName": lambda: ""},
             {"stepio": stepio_checker, "debugName": _checker(popart, "str")}, args, kwargs)
         st = self._state
         if st["device"].connection_type is popart.DeviceConnectionType.Never:
@@ -1465,6 +1824,10 @@ def _make_inference_session(popart: Any) -> type:
         _, outputs = stepio_arrays(stepio)
         for array in outputs.values():
             array.reshape(-1)[...] = run_pattern(array.size, array.dtype, st["runs"])
+        if training:
+            for name, value in st["on_device"].items():
+                if np.issubdtype(value.dtype, np.floating):
+                    st["on_device"][name] = trained_pattern(value.shape, value.dtype, st["runs"])
 
     def modelToHost(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
         log(self, "modelToHost", args, kwargs)
@@ -1527,24 +1890,80 @@ def _make_inference_session(popart: Any) -> type:
         opts = self._state["options"]
         return opts.accumulationFactor if opts.enableGradientAccumulation else 1
 
+    def synthetic(self) -> bool:
+        """Ir::useSyntheticData: the Devicex stream programs below do nothing then."""
+        return self._state["options"].syntheticDataMode is not popart.SyntheticDataMode.Off
+
+    def setRandomSeed(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
+        """Session::setRandomSeed(uint64_t seedValue), py::arg("seedValue")."""
+        log(self, "setRandomSeed", args, kwargs)
+        _, given = _resolve_overload(f"{cls_name}.setRandomSeed", [["seedValue"]], {},
+                                     {"seedValue": uint64}, args, kwargs)
+        seed = given["seedValue"]
+        st = self._state
+        if not st["random"]:
+            # "Trying to set the random seed, but this session has no random behaviour.
+            # Doing nothing." (a log warning)
+            self._record.seeds.append((seed, False))
+            return
+        st["seed"] = seed  # executable_->setRandomSeedValue
+        if not st["prepared"]:
+            raise popart.popart_runtime_error(
+                "Devicex::prepare() must be called before "
+                "Devicex::setRandomSeedFromHost(uint64_t) is called.")
+        if not synthetic(self):
+            run_program(self)  # Devicex::setRandomSeedFromHost
+        self._record.seeds.append((seed, True))
+
+    def updateOptimizerFromHost(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802
+        """TrainingSession::updateOptimizerFromHost(const Optimizer *), bound without py::arg:
+        Ir::updateOptimizer (clone, setFactorsFromOptions, validReplacement), then
+        Devicex::optimizerFromHost."""
+        log(self, "updateOptimizerFromHost", args, kwargs)
+        if kwargs or len(args) != 1:
+            raise TypeError(f"updateOptimizerFromHost(): takes one positional argument (an "
+                            f"optimizer); got {len(args)} positional and keywords "
+                            f"{sorted(kwargs)}")
+        if not isinstance(args[0], optimizer_base):
+            # None would bind as a null pointer, which PopART dereferences
+            raise TypeError(f"updateOptimizerFromHost(): incompatible type "
+                            f"{type(args[0]).__name__}; PopART expects a popart.SGD, "
+                            f"popart.ConstSGD or popart.Adam of this module")
+        st = self._state
+        new = args[0]._clone()
+        new._set_factors_from_options(st["options"])
+        st["optimizer"]._valid_replacement(new)
+        st["optimizer"] = new
+        if not synthetic(self):
+            run_program(self)
+        self._record.optimizers.append(new)
+
+    def uint64(value: Any, where: str) -> int:
+        value = check_value(popart, "int", value, where)
+        if not 0 <= value < 2 ** 64:
+            raise TypeError(f"{where}: {value} does not convert to uint64_t")
+        return value
+
     implemented = {"prepareDevice": prepareDevice, "weightsFromHost": weightsFromHost,
                    "weightsToHost": weightsToHost, "readWeights": readWeights,
                    "writeWeights": writeWeights, "run": run, "modelToHost": modelToHost,
-                   "initAnchorArrays": initAnchorArrays}
+                   "initAnchorArrays": initAnchorArrays, "setRandomSeed": setRandomSeed}
+    if training:
+        implemented["updateOptimizerFromHost"] = updateOptimizerFromHost
     assert set(implemented) <= set(spec["methods"]), set(implemented) - set(spec["methods"])
     namespace: dict[str, Any] = {
-        name: _not_implemented("InferenceSession", name) for name in spec["methods"]}
+        name: _not_implemented(cls_name, name) for name in spec["methods"]}
     namespace.update(implemented)
     for name in spec.get("classmethods", {}):
-        namespace[name] = classmethod(_not_implemented("InferenceSession", name))
+        namespace[name] = classmethod(_not_implemented(cls_name, name))
     properties = {"dataFlow": dataFlow, "replicationFactor": replicationFactor,
                   "accumulationFactor": accumulationFactor}
     assert set(spec["properties"]) == set(properties), spec["properties"]
     namespace.update({k: property(v) for k, v in properties.items()})
-    return type("InferenceSession", (), {
+    return type(cls_name, (), {
         "__slots__": ("_record", "_state"), "__init__": __init__,
-        "__setattr__": _frozen_setattr("InferenceSession"), "__module__": "popart",
-        "_created": [], **namespace})
+        "__setattr__": _frozen_setattr(cls_name), "__module__": "popart",
+        "_created": created, **namespace})
 
 
 def run_pattern(size: int, dtype: Any, run: int) -> np.ndarray:
@@ -1553,13 +1972,22 @@ def run_pattern(size: int, dtype: Any, run: int) -> np.ndarray:
     return ((np.arange(size) % 50) + run).astype(dtype)
 
 
+def trained_pattern(shape: tuple[int, ...], dtype: Any, run: int) -> np.ndarray:
+    """What a TrainingSession's ``run`` number ``run`` leaves in every floating-point weight on
+    the device (the recorder computes no gradients): distinct from the initial weights and
+    from every anchor pattern."""
+    size = math.prod(shape)
+    return (-(np.arange(size) % 50) - run - 0.5).astype(dtype).reshape(shape)
+
+
 # -- the module -------------------------------------------------------------------------------
 
 
 def make_popart_module() -> types.ModuleType:
     """A fresh module-like ``popart`` with the manifest's enums, structs, SessionOptions,
-    DeviceManager, PyStepIO and PyStepIOCallback (each call builds new classes, so logs never
-    leak between tests)."""
+    DeviceManager, PyStepIO, PyStepIOCallback, AnchorReturnType, DataFlow, PyWeightsIO, SGD,
+    ConstSGD, Adam (and their enums), InferenceSession and TrainingSession (each call builds new
+    classes, so logs never leak between tests)."""
     popart = types.ModuleType("popart", "strict recorder of PopART's Python API "
                                         "(tests/contract/popart_api.json)")
     popart.__file__ = __file__
@@ -1575,5 +2003,8 @@ def make_popart_module() -> types.ModuleType:
     popart.AnchorReturnType = _make_anchor_return_type(popart)
     popart.DataFlow = _make_dataflow(popart)
     popart.PyWeightsIO = _make_pyweightsio(popart)
-    popart.InferenceSession = _make_inference_session(popart)
+    optimizer_base = _make_optimizers(popart)
+    created: list[Any] = []
+    popart.InferenceSession = _make_session(popart, "InferenceSession", optimizer_base, created)
+    popart.TrainingSession = _make_session(popart, "TrainingSession", optimizer_base, created)
     return popart

@@ -156,10 +156,6 @@ class XlaTrainingBackend(XlaBackend):
         self.seed = int(seed)
 
     def set_optimizer(self, optimizer: Any) -> None:
-        """New hyperparameter values for the same kind of optimizer (no recompilation)."""
-        if type(optimizer) is not type(self.optimizer) or (
-                optimizer.program_key != self.optimizer.program_key):
-            raise ValueError(f"set_optimizer: {optimizer!r} is not the same kind of optimizer as "
-                             f"{self.optimizer!r}. Fix: change only its numbers (learning "
-                             f"rate, momentum, ...), or make a new session.")
+        """New hyperparameter values (the session checked it is the same kind of optimizer):
+        the next run passes them to the same compiled program."""
         self.optimizer = optimizer
