@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .backends.base import Backend, make_backend
+from .backends.base import Backend, TrainingBackend, make_backend
 from .config import SessionConfig
 from .layout import PipelineLayout, load_model
+from .optimizers import SGD, Adam
 from .shapes import AnchorReturnType
 from .stepio import StepIOFactory
 
@@ -110,9 +111,11 @@ class TrainingSession(_Session):
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
                  popart: Any = None) -> None:
+        if not isinstance(optimizer, SGD | Adam):
+            raise TypeError(f"optimizer={optimizer!r}: give pk.SGD(...) or pk.Adam(...).")
         self._open(model, config, anchors if anchors is not None else {loss: "Final"})
-        self._backend = make_backend(backend, self.model, config, self.anchors, popart,
-                                     loss=loss, optimizer=optimizer)
+        self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
+            backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer)
         self.loss, self.optimizer = loss, optimizer
 
     def set_optimizer(self, optimizer: Any) -> None:

@@ -259,3 +259,99 @@ def test_the_main_job_trains():
     assert last < first / 2
     accuracy = float(result.stdout.split("held-out accuracy ")[1].split("%")[0])
     assert accuracy > 60
+
+
+# -- review cases: more combinations, and what must be refused ----------------------------------
+
+
+@pytest.mark.parametrize("reduction, lr_scale", [("mean", 1.0), ("sum", 6.0)])
+def test_replicas_with_accumulation_of_three(reduction, lr_scale):
+    # Sum adds A x R micro-batch gradients: the big-batch step at lr x A x R
+    x, y = data(3 * 2 * 8)
+    spread, *_ = train(8, acc=3, local=2, reduction=reduction, x=x, y=y)
+    big, *_ = train(48, x=x.reshape(3, 2, 8, 6).reshape(48, 6), y=y,
+                    optimizer=pk.SGD(learning_rate=0.1 * lr_scale))
+    close(big, spread, rtol=5e-5)
+
+
+def test_broadcast_inputs_in_training():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    scale = b.addInputTensor(pk.TensorInfo("FLOAT", [1]),
+                             pk.InputSettings(pk.ReplicatedStreamMode.Broadcast))
+    w = b.addInitializedInputTensor(np.array([1.0, 1.0], np.float32))
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.mul([b.aiOnnx.mul([x, w]), scale])],
+                                      pk.ReductionType.Sum)
+    cfg = pk.SessionConfig(mode="training", replication={"local_factor": 2},
+                           device={"target": "offline"})
+    sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss, optimizer=pk.SGD(0.1),
+                              backend="xla")
+    sess.run({x: np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+              scale: np.array([2.0], np.float32)})
+    # Sum over replicas of d(scale * x.w)/dw = 2 * (x0 + x1)
+    np.testing.assert_allclose(sess.weights()[w], [1 - 0.1 * 8, 1 - 0.1 * 12], rtol=1e-6)
+
+
+def test_weight_anchors_show_the_weight_each_micro_batch_used():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [1]))
+    w = b.addInitializedInputTensor(np.array([0.0], np.float32))
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.mul([x, w])], pk.ReductionType.Sum)
+    cfg = pk.SessionConfig(mode="training", batches_per_step=3, accumulation={"factor": 2},
+                           device={"target": "offline"})
+    sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss, optimizer=pk.SGD(1.0),
+                              anchors={w: "All"}, backend="xla")
+    out = sess.run({x: np.ones((3, 2, 1), np.float32)})
+    # each update subtracts the sum of 2 gradients of 1: w is 0, 0 | -2, -2 | -4, -4
+    np.testing.assert_array_equal(out[w].reshape(-1), [0, 0, -2, -2, -4, -4])
+    np.testing.assert_array_equal(sess.weights()[w], [-6.0])
+
+
+def test_weights_off_the_loss_path_are_not_updated():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    used = b.addInitializedInputTensor(np.ones(2, np.float32))
+    unused = b.addInitializedInputTensor(np.full(2, 5.0, np.float32))
+    b.aiOnnx.add([x, unused])
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([x, used])], 1.0)
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss,
+                              optimizer=pk.SGD(0.1, momentum=0.9, weight_decay=0.1),
+                              backend="xla")
+    sess.run({x: np.ones(2, np.float32)})
+    np.testing.assert_array_equal(sess.weights()[unused], [5.0, 5.0])
+    assert not np.array_equal(sess.weights()[used], [1.0, 1.0])
+
+
+def test_what_training_on_xla_refuses():
+    model, loss, probs = classifier(4)
+    distributed = pk.SessionConfig(mode="training", replication={
+        "local_factor": 2, "global_factor": 4, "global_offset": 2})
+    with pytest.raises(ValidationError, match="training over 2 instances"):
+        pk.TrainingSession(model, distributed, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    with pytest.raises(ValidationError, match="has shape \\[4, 3\\]; PopART: 'Loss tensor must"):
+        pk.TrainingSession(model, cfg, loss=probs, optimizer=pk.SGD(0.1), backend="xla")
+    with pytest.raises(TypeError, match="give pk.SGD"):
+        pk.TrainingSession(model, cfg, loss=loss, optimizer=0.1, backend="xla")
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    dropped = b.aiOnnx.dropout([b.aiOnnx.mul([x, w])], 1, ratio=0.5)[0]
+    l1 = b.aiGraphcore.l1loss([dropped], 1.0)
+    with pytest.raises(ValidationError, match="drops at random when training"):
+        pk.TrainingSession(b.getModelProto(), cfg, loss=l1, optimizer=pk.SGD(0.1),
+                           backend="xla")
+
+
+def test_prepare_compiles_the_training_step():
+    x, y = data(8)
+    model, loss, _ = classifier(8)
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    sess.prepare()
+    compiled = sess._backend._program
+    sess.run({"x": x, "label": y})
+    sess.set_learning_rate(0.5)
+    sess.run({"x": x, "label": y})
+    assert sess._backend._program is compiled  # one compiled executable throughout

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ..shapes import AnchorReturnType
     from ..stepio import StepIOFactory
 
-__all__ = ["Backend", "make_backend", "check_weights", "BACKENDS"]
+__all__ = ["Backend", "TrainingBackend", "make_backend", "check_weights", "BACKENDS"]
 
 BACKENDS = ("auto", "xla", "popart")
 
@@ -34,6 +34,14 @@ class Backend(Protocol):
     def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None: ...
 
     def model_proto(self) -> onnx.ModelProto: ...
+
+
+class TrainingBackend(Backend, Protocol):
+    """A backend that also trains: new hyperparameters and seeds between runs."""
+
+    def set_optimizer(self, optimizer: Any) -> None: ...
+
+    def set_random_seed(self, seed: int) -> None: ...
 
 
 def check_weights(current: Mapping[str, np.ndarray], mapping: Mapping[str, Any]) -> None:

@@ -161,6 +161,8 @@ class PopartBackend:
         self._need_variables()
         self._refuse_offline("take weights")
         self.prepare()
+        # weightsFromHost streams every weight: refresh the host copies of the others first
+        self.session.weightsToHost()
         self.session.writeWeights(self.popart.PyWeightsIO(
             {k: np.ascontiguousarray(v) for k, v in mapping.items()}))
         self.session.weightsFromHost()

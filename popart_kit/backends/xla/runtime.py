@@ -52,6 +52,16 @@ def vmap(fn: Any, size: int, in_axes: tuple[int | None, ...], out_axes: Any = 0)
     return call
 
 
+def returned(every: jax.Array, art: AnchorReturnType) -> jax.Array:
+    """What PopART returns of a tensor's values at the M micro-batches of a run (axis 0):
+    All all of them, EveryN micro-batches N-1, 2N-1, ..., Final the last, Sum their sum."""
+    if art.name == "Sum":
+        return every.sum(axis=0, dtype=every.dtype)
+    if art.name == "Final":
+        return every[-1]
+    return every if art.period is None else every[art.period - 1::art.period]
+
+
 class XlaBackend:
     """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics."""
 
@@ -116,16 +126,7 @@ class XlaBackend:
         steps = self.config.batches_per_step * self.config.accumulation.factor
         values = vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)), steps,
                       (0,))({**streams, **fixed})
-        out = {}
-        for name, art in self.anchors.items():
-            every = values[name]  # [M, *S]
-            if art.name == "Sum":
-                out[name] = every.sum(axis=0, dtype=every.dtype)
-            elif art.name == "Final":
-                out[name] = every[-1]
-            else:
-                out[name] = every if art.period is None else every[art.period - 1::art.period]
-        return out
+        return {name: returned(values[name], art) for name, art in self.anchors.items()}
 
     def _build(self) -> Any:
         streamed = [n for n, spec in self.io.inputs.items() if not spec.broadcast]
