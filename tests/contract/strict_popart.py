@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["MANIFEST", "BROKEN_OPTIONS", "make_popart_module", "set_log", "to_plain",
+           "option_mismatches",
            "check_value", "EnumMember", "DeviceCall", "stepio_arrays", "stepio_callbacks",
            "first_run_check", "simulate_run", "SimulatedRun", "weights_io_arrays",
            "SessionRecord", "session_record", "created_sessions", "run_pattern",
@@ -2008,3 +2009,29 @@ def make_popart_module() -> types.ModuleType:
     popart.InferenceSession = _make_session(popart, "InferenceSession", optimizer_base, created)
     popart.TrainingSession = _make_session(popart, "TrainingSession", optimizer_base, created)
     return popart
+
+
+def _plain_matches(type_: str, expected: Any, actual: Any) -> bool:
+    """``actual`` (to_plain of the recorder) holds the plain ``expected`` of to_popart_dict."""
+    if type_.startswith("struct:"):
+        fields = MANIFEST["structs"][type_[7:]]["fields"]
+        return all(_plain_matches(fields[k], v, actual[k]) for k, v in expected.items())
+    if type_.startswith("set["):
+        return sorted(expected) == actual
+    if type_ == "float":
+        return isinstance(actual, float) and actual == expected
+    if isinstance(expected, dict):
+        return dict(actual) == expected
+    return type(actual) is type(expected) and actual == expected
+
+
+def option_mismatches(opts: Any, expected: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, expected, recorded) for every option of ``expected`` (a to_popart_dict) that the
+    recorded SessionOptions does not hold."""
+    out = []
+    for name, value in expected.items():
+        type_ = MANIFEST["session_options"][name]["type"]
+        actual = to_plain(type_, getattr(opts, name))
+        if not _plain_matches(type_, value, actual):
+            out.append((name, value, actual))
+    return out

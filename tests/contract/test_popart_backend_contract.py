@@ -22,17 +22,15 @@ from strategies import config_dicts
 
 try:  # tests/contract is not a package today; keep working if it becomes one
     from .strict_popart import (MANIFEST, DeviceCall, EnumMember, created_sessions,
-                                make_popart_module, run_pattern, session_record, stepio_arrays,
-                                to_plain, weights_io_arrays)
+                                make_popart_module, option_mismatches, run_pattern,
+                                session_record, stepio_arrays, weights_io_arrays)
 except ImportError:
     from strict_popart import (MANIFEST, DeviceCall, EnumMember, created_sessions,
-                               make_popart_module, run_pattern, session_record, stepio_arrays,
-                               to_plain, weights_io_arrays)
+                               make_popart_module, option_mismatches, run_pattern,
+                               session_record, stepio_arrays, weights_io_arrays)
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 
-OPTIONS: dict[str, dict[str, Any]] = MANIFEST["session_options"]
-STRUCTS: dict[str, dict[str, Any]] = MANIFEST["structs"]
 SESSION = MANIFEST["classes"]["InferenceSession"]
 ACQUIRE = MANIFEST["device_manager"]["acquireAvailableDevice"]
 # PopART's offline-device syncPattern strings (devicemanager.cpp syncPatternFromString), for
@@ -116,20 +114,6 @@ OFFLINE = {k: v for k, v in CONFIGS.items() if v.device.target == "offline"}
 # -- what PopART was given -------------------------------------------------------------------------
 
 
-def _plain_matches(type_: str, expected: Any, actual: Any) -> bool:
-    """``actual`` (to_plain of the recorder) holds the plain ``expected`` of to_popart_dict."""
-    if type_.startswith("struct:"):
-        fields = STRUCTS[type_[7:]]["fields"]
-        return all(_plain_matches(fields[k], v, actual[k]) for k, v in expected.items())
-    if type_.startswith("set["):
-        return sorted(expected) == actual
-    if type_ == "float":
-        return isinstance(actual, float) and actual == expected
-    if isinstance(expected, dict):
-        return dict(actual) == expected
-    return type(actual) is type(expected) and actual == expected
-
-
 def check_constructor(cfg: pk.SessionConfig, popart: Any, psess: Any,
                       anchors: dict[str, pk.AnchorReturnType]) -> None:
     record = session_record(psess)
@@ -164,10 +148,7 @@ def check_constructor(cfg: pk.SessionConfig, popart: Any, psess: Any,
     # userOptions: exactly the config's PopART options
     opts = record.keywords["userOptions"]
     assert isinstance(opts, popart.SessionOptions)
-    for name, expected in cfg.to_popart_dict().items():
-        type_ = OPTIONS[name]["type"]
-        actual = to_plain(type_, getattr(opts, name))
-        assert _plain_matches(type_, expected, actual), (name, expected, actual)
+    assert not option_mismatches(opts, cfg.to_popart_dict())
     assert psess.replicationFactor == cfg.replication.local_factor
 
     check_device(cfg, popart, record.keywords["deviceInfo"])
