@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._arith import bubble_fraction, next_power_of_two, pipeline_depth, pipeline_fill_micro_batches
@@ -84,7 +84,6 @@ class Plan:
     sync_pattern: str
     sync_groups: dict[str, list[list[int]]]
     warnings: tuple[str, ...] = ()
-    config: SessionConfig | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: SessionConfig) -> Plan:
@@ -131,7 +130,6 @@ class Plan:
             sync_pattern=cfg.device.sync_pattern,
             sync_groups=sync_groups(cfg.device.sync_pattern, request),
             warnings=cfg.warnings,
-            config=cfg,
         )
 
     @property
@@ -144,8 +142,7 @@ class Plan:
         return tuple(r for r in self.replicas if r.instance == self.instance_index)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name)
-               for f in dataclasses.fields(self) if f.name != "config"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["replicas"] = [dataclasses.asdict(r) | {"ipus": list(r.ipus)} for r in self.replicas]
         out["warnings"] = list(self.warnings)
         out["idle_ipus"] = self.idle_ipus

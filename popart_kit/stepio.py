@@ -534,7 +534,6 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                                 * cfg.replication.global_replicas * self.micro_batch_size)
         self._factory = factory
         self._samples = iter(dataset)
-        self._total = cfg.replication.global_replicas
         self.runs = 0
         self.dropped = 0
         self._done = False
@@ -573,7 +572,8 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                                  f"axis). Fix: yield one sample at a time.")
             block = _cast_exactly(name, block, spec.dtype)
             stacked[name] = block.reshape(input_shape(
-                spec.shape, factory._bps, factory._accumulation, self._total))
+                spec.shape, factory._bps, factory._accumulation,
+                factory.config.replication.global_replicas))
         self.runs += 1
         return factory.shard(stacked)
 
