@@ -3,32 +3,58 @@
 This module is the public surface; everything not in ``__all__`` is internal.
 """
 
-from ._problems import PopartKitWarning
-from .builder import (
-    Builder,
-    BuilderError,
-    InputSettings,
-    PipelineBuilder,
-    ReductionType,
-    ReplicatedStreamMode,
-    TensorInfo,
-)
-from .config import (
-    Accumulation,
-    Device,
-    Pipeline,
-    Precision,
-    Profiling,
-    Replication,
-    SessionConfig,
-)
-from .layout import PipelineLayout
-from .optimizers import SGD, Adam
-from .plan import Plan, ReplicaPlacement
-from .popdist import PopdistEnv
-from .session import InferenceSession, TrainingSession
-from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
-from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Where each public name lives. The package loads a module when one of its names is first used,
+# so configuration-only use (SessionConfig, plan, the CLI's plan/check/schema) never pays for
+# the Builder's onnx or the runtime's JAX.
+_HOMES = {
+    "._problems": ("PopartKitWarning",),
+    ".builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder", "ReductionType",
+                 "ReplicatedStreamMode", "TensorInfo"),
+    ".config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling", "Replication",
+                "SessionConfig"),
+    ".layout": ("PipelineLayout",),
+    ".optimizers": ("SGD", "Adam"),
+    ".plan": ("Plan", "ReplicaPlacement"),
+    ".popdist": ("PopdistEnv",),
+    ".session": ("InferenceSession", "TrainingSession"),
+    ".shapes": ("AnchorReturnType", "anchor_elements", "anchor_shape", "input_elements",
+                "input_shape"),
+    ".stepio": ("CallbackFeeder", "RunBatches", "StepIOFactory", "TensorSpec"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+if TYPE_CHECKING:
+    from ._problems import PopartKitWarning
+    from .builder import (
+        Builder,
+        BuilderError,
+        InputSettings,
+        PipelineBuilder,
+        ReductionType,
+        ReplicatedStreamMode,
+        TensorInfo,
+    )
+    from .config import (
+        Accumulation,
+        Device,
+        Pipeline,
+        Precision,
+        Profiling,
+        Replication,
+        SessionConfig,
+    )
+    from .layout import PipelineLayout
+    from .optimizers import SGD, Adam
+    from .plan import Plan, ReplicaPlacement
+    from .popdist import PopdistEnv
+    from .session import InferenceSession, TrainingSession
+    from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
+    from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
 __version__ = "0.1.0"
 
@@ -66,3 +92,21 @@ __all__ = [
     "Adam",
     "PopartKitWarning",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME_OF.get(name)
+    if module is None:  # a submodule, as after an eager import: pk.builder, pk.backends, ...
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'popart_kit' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME_OF])

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jax
-import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._problems import Problem, raise_errors
+
+if TYPE_CHECKING:  # the update maths imports JAX only when a session runs it
+    import jax
 
 __all__ = ["SGD", "Adam", "SGD_VALUE_KEYS", "ADAM_VALUE_KEYS"]
 
@@ -57,6 +58,7 @@ _DECAY_MODES = {"decay": "Decay", "l2_regularization": "L2Regularization"}
 
 def _compute_dtype(dtype: Any) -> Any:
     """float32 for float16/bfloat16/float32 weights, float64 for float64 ones."""
+    import jax.numpy as jnp
     return jnp.promote_types(dtype, jnp.float32)
 
 
@@ -106,6 +108,7 @@ class _Optimizer(BaseModel):
 
     def _hyper(self, hyper: Mapping[str, Any]) -> dict[str, jax.Array]:
         """The runtime values, checked against the keys this program reads (a static check)."""
+        import jax.numpy as jnp
         expected = set(self.hyperparameters())
         given = set(hyper)
         if given != expected:
@@ -246,6 +249,7 @@ class SGD(_Optimizer):
         """{} without momentum, else {"velocity": {name: v}} in each weight's dtype: zeros
         (Separate) or ``(1 - dm) * wd * vs * w0`` (Combined, sgd1decompose.cpp
         addAcclInTensor)."""
+        import jax.numpy as jnp
         if not self.has_velocity:
             return {}
         if self.accumulator_and_momentum == "separate":
@@ -425,6 +429,7 @@ class Adam(_Optimizer):
 
     def init(self, weights: Mapping[str, jax.Array]) -> dict[str, Any]:
         """{"step": float32 0, "m": {name: zeros}, "v": {name: zeros}} (m, v float32)."""
+        import jax.numpy as jnp
         def zeros(w: Any) -> jax.Array:
             return jnp.zeros(jnp.shape(w), _compute_dtype(jnp.result_type(w)))
         return {"step": jnp.zeros((), jnp.float32),
@@ -435,6 +440,7 @@ class Adam(_Optimizer):
               grads: Mapping[str, jax.Array], state: Mapping[str, Any],
               ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """One PopART Adam/Lamb/AdaMax weight update (see the class docstring); pure jnp."""
+        import jax.numpy as jnp
         h = self._hyper(hyper)
         self._check_trees(weights, grads)
         lr, b1, b2, eps = h["learning_rate"], h["beta1"], h["beta2"], h["eps"]

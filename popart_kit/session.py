@@ -79,14 +79,17 @@ class InferenceSession(_Session):
     ``model`` is a ModelProto, serialised bytes (Builder.getModelProto) or a path; ``anchors``
     maps any tensor of the model (inputs, weights, activations, outputs) to a return type and
     defaults to every graph output with ``All``. ``backend`` is ``"auto"`` (popart where the
-    Poplar SDK imports, else xla), ``"xla"`` or ``"popart"``.
+    Poplar SDK imports, else xla), ``"xla"`` or ``"popart"``. ``micro_batches_per_chunk`` (xla
+    only) sets how many micro-batches are evaluated at once; by default as many as keep their
+    activations small.
     """
 
     _mode = "inference"
 
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, anchors: Mapping[str, Any] | None = None,
-                 backend: str = "auto", *, popart: Any = None) -> None:
+                 backend: str = "auto", *, popart: Any = None,
+                 micro_batches_per_chunk: int | None = None) -> None:
         proto = load_model(model)
         self._open(proto, config, anchors if anchors is not None else {
             o.name: "All" for o in proto.graph.output})
@@ -94,7 +97,8 @@ class InferenceSession(_Session):
             raise ValueError("an inference session needs at least one anchor (PopART: 'User "
                              "must specify an anchor tensor when doing inference'). Fix: pass "
                              "anchors={tensor: 'All'} or add outputs to the model.")
-        self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart)
+        self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart,
+                                              micro_batches_per_chunk=micro_batches_per_chunk)
 
 
 class TrainingSession(_Session):
@@ -102,7 +106,10 @@ class TrainingSession(_Session):
 
     Each ``run`` makes batches_per_step weight updates, each from the gradients of ``loss`` over
     A micro-batches on every local replica, reduced as ``config.accumulation.reduction`` says.
-    ``anchors`` default to the loss with ``Final``.
+    ``anchors`` default to the loss with ``Final``. A run is atomic: it applies all its updates
+    or none. On the xla backend, a run whose loss or gradients are not finite raises and
+    applies nothing (``check_finite=False`` skips the check), and ``micro_batches_per_chunk``
+    sets how many micro-batches are evaluated at once.
     """
 
     _mode = "training"
@@ -110,12 +117,14 @@ class TrainingSession(_Session):
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
-                 popart: Any = None) -> None:
+                 popart: Any = None, micro_batches_per_chunk: int | None = None,
+                 check_finite: bool | None = None) -> None:
         if not isinstance(optimizer, SGD | Adam):
             raise TypeError(f"optimizer={optimizer!r}: give pk.SGD(...) or pk.Adam(...).")
         self._open(model, config, anchors if anchors is not None else {loss: "Final"})
         self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
-            backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer)
+            backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer,
+            micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite)
         self.loss, self.optimizer = loss, optimizer
 
     def set_optimizer(self, optimizer: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 import popart_kit as pk
+from popart_kit.backends.xla import placement
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 RNG = np.random.default_rng(7)
@@ -52,7 +53,7 @@ def data(samples: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def train(micro, bps=1, acc=1, local=1, reduction="mean", optimizer=None, pipelined=False,
-          x=None, y=None, runs=1):
+          x=None, y=None, runs=1, chunk=None):
     model, loss, _ = classifier(micro, pipelined)
     cfg = pk.SessionConfig(
         mode="training", batches_per_step=bps, replication={"local_factor": local},
@@ -61,7 +62,8 @@ def train(micro, bps=1, acc=1, local=1, reduction="mean", optimizer=None, pipeli
         device={"target": "offline"})
     sess = pk.TrainingSession(model, cfg, loss=loss,
                               optimizer=optimizer or pk.SGD(learning_rate=0.1),
-                              anchors={loss: "All"}, backend="xla")
+                              anchors={loss: "All"}, backend="xla",
+                              micro_batches_per_chunk=chunk)
     out = []
     for run in range(runs):
         block = slice(run * micro * bps * acc * local, (run + 1) * micro * bps * acc * local)
@@ -75,19 +77,25 @@ def close(a: dict, b: dict, rtol: float = 2e-5) -> None:
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("devices", [1, 4])
 @pytest.mark.parametrize("local", [2, 4])
-def test_replicas_are_one_big_micro_batch(local):
+def test_replicas_are_one_big_micro_batch(local, devices, monkeypatch):
+    # replicas vectorised on one device (the CPU default), or over several with a psum
+    monkeypatch.setattr(placement, "CPU_REPLICA_DEVICES", devices)
     x, y = data(8 * local)
     big, *_ = train(8 * local, x=x, y=y)
     replicated, *_ = train(8, local=local, x=x, y=y)
     close(big, replicated)
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 2])
 @pytest.mark.parametrize("acc", [2, 4])
-def test_accumulation_is_one_big_micro_batch(acc):
+def test_accumulation_is_one_big_micro_batch(acc, chunk):
+    # one accumulator over chunks of 1, 2 or (default) all A micro-batches
     x, y = data(8 * acc)
     big, *_ = train(8 * acc, x=x, y=y)
-    accumulated, *_ = train(8, acc=acc, x=x, y=y)
+    accumulated, _, sess = train(8, acc=acc, x=x, y=y, chunk=chunk)
+    assert sess._backend.chunk == (chunk or acc)
     close(big, accumulated)
 
 
@@ -99,7 +107,10 @@ def test_sum_reduction_scales_as_popart_defines():
     close(big, summed)
 
 
-def test_replicas_accumulation_and_device_iterations_are_sequential_big_batches():
+@pytest.mark.parametrize("devices", [1, 2])
+def test_replicas_accumulation_and_device_iterations_are_sequential_big_batches(
+        devices, monkeypatch):
+    monkeypatch.setattr(placement, "CPU_REPLICA_DEVICES", devices)
     x, y = data(3 * 2 * 2 * 4)  # bps 3, A 2, R 2, micro-batch 4
     together, *_ = train(4, bps=3, acc=2, local=2, x=x, y=y)
     # the same data as 3 sequential updates of one 16-sample batch, in PopART's order

@@ -77,9 +77,12 @@ def _sdk_importable() -> bool:
 
 def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
                  anchors: Mapping[str, AnchorReturnType], popart: Any = None,
-                 loss: str | None = None, optimizer: Any = None) -> Backend:
+                 loss: str | None = None, optimizer: Any = None,
+                 **xla_options: Any) -> Backend:
     """``auto`` is ``popart`` where the Poplar SDK imports (or a module is given) and ``xla``
-    elsewhere; a ``loss`` makes a training backend."""
+    elsewhere; a ``loss`` makes a training backend. ``xla_options`` (those not None) are for
+    the xla backend only: the popart backend refuses them."""
+    xla_options = {k: v for k, v in xla_options.items() if v is not None}
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.")
     if name == "auto":
@@ -87,11 +90,15 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
     if name == "popart":
         from .popart_sdk import PopartBackend
 
+        if xla_options:
+            raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in xla_options.items())}: "
+                             f"only the xla backend takes these (PopART has no equivalent). "
+                             f"Fix: leave them out with backend={name!r}.")
         return PopartBackend(model, config, anchors, popart, loss=loss, optimizer=optimizer)
     if loss is not None:
         from .xla.training import XlaTrainingBackend
 
-        return XlaTrainingBackend(model, config, anchors, loss, optimizer)
+        return XlaTrainingBackend(model, config, anchors, loss, optimizer, **xla_options)
     from .xla.runtime import XlaBackend
 
-    return XlaBackend(model, config, anchors)
+    return XlaBackend(model, config, anchors, **xla_options)

@@ -1,14 +1,17 @@
-"""The xla backend: one compiled program per session runs a whole step on every local replica.
+"""The xla backend: a session's model run on JAX devices with PopART's step semantics.
 
-A ``run`` is bps × A micro-batches on each of R replicas. The program evaluates them all on the
-device (no host round trip per micro-batch, the analogue of device iterations); replicas
-are a mesh axis (``shard_map``) over as many devices as divide R, vectorised within a device.
-Anchors come back as PopART returns them: All every micro-batch, EveryN micro-batches N-1,
-2N-1, ..., Final the last one, Sum their sum - per replica.
+A ``run`` is M = bps x A micro-batches on each of R local replicas. Its micro-batches are
+evaluated in chunks (:mod:`.steps`), so memory does not grow with M beyond what is anchored
+All; anchors are reduced or selected as the chunks go (:mod:`.anchors`). Where replicas run and
+how arrays move is the :class:`~.placement.Placement`'s; before the first run the step's memory
+is estimated and a step that cannot fit is refused (:mod:`.memory`). A run does the input
+check, one transfer, the program and one fetch, under a lock: concurrent runs on one session
+take turns.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,89 +19,68 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ..._problems import Problem, raise_errors
 from ...builder import broadcast_inputs
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
 from ..base import check_weights
-from .devices import HOST_DEVICES, ensure_host_devices, replica_devices
+from .anchors import AnchorBuffers, chunk_size
 from .lowering import LoweredGraph, lower
+from .memory import check_fits
+from .placement import Placement, ensure_host_devices
+from .steps import CHUNK_BYTES, loop, loops_on_host, vmap
 
 __all__ = ["XlaBackend"]
 
-_REPLICA = "replica"
-
-
-def vmap(fn: Any, size: int, in_axes: tuple[int | None, ...], out_axes: Any = 0) -> Any:
-    """``jax.vmap`` over an axis of ``size``, except that a size of 1 is squeezed away: XLA on
-    CPU runs a matrix product with a batch dimension of 1 markedly slower than the plain one
-    (the benchmark's training step at bps 16: 1.47x the hand-written program with the batch
-    dimension, 1.10x without), and a replica block or accumulation of 1 is common."""
-    if size != 1:
-        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_size=size)
-
-    def call(*args: Any) -> Any:
-        squeezed = [arg if axis is None else jax.tree.map(lambda a, ax=axis: jnp.squeeze(a, ax),
-                                                            arg)
-                    for arg, axis in zip(args, in_axes, strict=True)]
-        out = fn(*squeezed)
-        if isinstance(out_axes, int):
-            return jax.tree.map(lambda o: jnp.expand_dims(o, out_axes), out)
-        return {k: jax.tree.map(lambda o, ax=out_axes[k]: jnp.expand_dims(o, ax), v)
-                for k, v in out.items()}
-
-    return call
-
-
-def returned(every: jax.Array, art: AnchorReturnType) -> jax.Array:
-    """What PopART returns of a tensor's values at the M micro-batches of a run (axis 0):
-    All all of them, EveryN micro-batches N-1, 2N-1, ..., Final the last, Sum their sum."""
-    if art.name == "Sum":
-        return every.sum(axis=0, dtype=every.dtype)
-    if art.name == "Final":
-        return every[-1]
-    return every if art.period is None else every[art.period - 1::art.period]
-
 
 class XlaBackend:
-    """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics."""
+    """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics.
+
+    ``micro_batches_per_chunk`` overrides how many micro-batches are evaluated at once (by
+    default as many as keep a chunk's activations under ``steps.CHUNK_BYTES``)."""
 
     name = "xla"
 
     def __init__(self, model: onnx.ModelProto, config: Any,
-                 anchors: Mapping[str, AnchorReturnType]) -> None:
-        replicas = config.replication.local_factor
-        ensure_host_devices(max(replicas, HOST_DEVICES))  # before the lowering starts JAX
+                 anchors: Mapping[str, AnchorReturnType],
+                 micro_batches_per_chunk: int | None = None) -> None:
+        ensure_host_devices()  # before the lowering starts JAX
         self.model, self.config = model, config
         self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
-        raise_errors("XlaBackend", self._problems(anchors))
+        raise_errors("XlaBackend", self._problems(anchors, micro_batches_per_chunk))
         self.anchors = dict(anchors)
         broadcast = broadcast_inputs(model)
         inputs = {name: TensorSpec(shape, dtype, name in broadcast)
                   for name, (shape, dtype) in self.graph.inputs.items()}
-        found = jax.eval_shape(
-            lambda w, x: self.graph.evaluate(w, x, list(self.anchors)),
-            {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.graph.weights.items()},
-            {k: jax.ShapeDtypeStruct(s.shape, s.dtype) for k, s in inputs.items()})
+        found = self._shapes(inputs, list(self.anchors))
         self.io = StepIOFactory(config, inputs=inputs, anchors={
             name: (TensorSpec(found[name].shape, found[name].dtype), art)
             for name, art in self.anchors.items()})
-        self.devices = replica_devices(replicas)
-        self.mesh = Mesh(np.array(self.devices), (_REPLICA,))
-        self._weights = {k: jax.device_put(jnp.asarray(v), self._everywhere())
-                         for k, v in self.graph.weights.items()}
+        self.placement = Placement(config.replication.local_factor)
+        self.devices = self.placement.devices
+        self.micro_batches = config.batches_per_step * config.accumulation.factor
+        self.buffers = AnchorBuffers(self.anchors, {n: (s.shape, s.dtype)
+                                                    for n, s in found.items()},
+                                     config.batches_per_step, config.accumulation.factor,
+                                     config.replication.local_factor)
+        self.chunk = self._chunk(inputs, micro_batches_per_chunk)
+        self.on_host = loops_on_host(model, self.placement.platform, self.placement.several)
+        self._lock = threading.RLock()
+        self._weights = self.placement.put_everywhere(
+            {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
         self._program: Any = None
 
-    def _problems(self, anchors: Mapping[str, AnchorReturnType]) -> list[Problem]:
+    # -- what the backend refuses -----------------------------------------------------------------
+
+    def _problems(self, anchors: Mapping[str, AnchorReturnType],
+                  chunk: int | None) -> list[Problem]:
         """What this backend cannot run, all at once, before anything compiles."""
         out = [Problem(("anchors", a), f"anchor {a!r} is not a tensor of the model.",
                        "anchor an input, a weight or a node output.", "K-anchor-unknown")
                for a in anchors if a not in self.graph.tensors]
         for name, (shape, _) in self.graph.inputs.items():
-            if any(not isinstance(d, int) for d in shape):
+            if shape is None or any(not isinstance(d, int) for d in shape):
                 out.append(Problem(("inputs", name), f"input {name!r} has shape {shape}: a "
                                    f"dimension is symbolic or unknown.",
                                    "give the input a fixed shape (PopART compiles static "
@@ -107,104 +89,181 @@ class XlaBackend:
         doubles += [n for n, w in self.graph.weights.items() if w.dtype == np.float64]
         out += [Problem(("tensors", n), f"tensor {n!r} is DOUBLE, which PopART does not run "
                         f"on IPUs.", "use FLOAT (or FLOAT16).", "K-double") for n in doubles]
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            out.append(Problem(("micro_batches_per_chunk",),
+                               f"micro_batches_per_chunk={chunk!r} is not a positive integer.",
+                               "give a count of 1 or more, or None for the default.",
+                               "K-chunk"))
         return out
+
+    # -- shapes and chunks -----------------------------------------------------------------------
+
+    def _shapes(self, inputs: Mapping[str, TensorSpec], wanted: list[str]) -> dict[str, Any]:
+        """Shapes and dtypes of ``wanted`` tensors for one micro-batch (nothing computed)."""
+        return jax.eval_shape(
+            lambda w, x: self.graph.evaluate(w, x, wanted),
+            {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.graph.weights.items()},
+            {k: jax.ShapeDtypeStruct(s.shape, s.dtype) for k, s in inputs.items()})
+
+    def _activation_bytes(self, inputs: Mapping[str, TensorSpec]) -> int:
+        """Bytes of every tensor one micro-batch computes on one replica (an upper bound on
+        its live activations)."""
+        produced = [o for node in self.model.graph.node for o in node.output
+                    if o and o in self.graph.tensors]
+        shapes = self._shapes(inputs, produced)
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+                   for s in shapes.values())
+
+    def _chunk_limit(self) -> int:
+        """Micro-batches a chunk may hold: they must not cross a weight update."""
+        return self.micro_batches
+
+    def _chunk(self, inputs: Mapping[str, TensorSpec], requested: int | None) -> int:
+        if requested is None:
+            per_micro_batch = self._activation_bytes(inputs) * self.placement.per_device
+            requested = max(1, CHUNK_BYTES // max(per_micro_batch, 1))
+        return chunk_size(self._chunk_limit(), requested, self.buffers.periods)
+
+    # -- arguments --------------------------------------------------------------------------------
+
+    def _stream_axes(self) -> dict[str, int | None]:
+        """The replica axis of each device input: [M, R, *S] streams, [M, *S] Broadcast."""
+        return {n: None if s.broadcast else 1 for n, s in self.io.inputs.items()}
+
+    def _host_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Canonical host arrays as [M, R, *S] (Broadcast [M, *S]) views in the dtypes the
+        program takes (PopART's int64 -> int32)."""
+        replicas = self.config.replication.local_factor
+        out = {}
+        for name, spec in self.io.inputs.items():
+            lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
+            dtype = jax.dtypes.canonicalize_dtype(spec.dtype)
+            out[name] = np.asarray(inputs[name], dtype=dtype).reshape(lead + spec.shape)
+        return out
+
+    def _abstract_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        replicas = self.config.replication.local_factor
+        shapes = {}
+        for name, spec in self.io.inputs.items():
+            lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
+            shapes[name] = jax.ShapeDtypeStruct(lead + spec.shape,
+                                                jax.dtypes.canonicalize_dtype(spec.dtype))
+        return self.placement.abstract(shapes, self._stream_axes())
+
+    def _slice(self, inputs: Mapping[str, jax.Array], start: Any) -> dict[str, jax.Array]:
+        return {k: jax.lax.dynamic_slice_in_dim(v, start, self.chunk, axis=0)
+                for k, v in inputs.items()}
+
+    def _evaluate_chunk(self, weights: Mapping[str, jax.Array], inputs: Mapping[str, Any],
+                        start: Any, wanted: list[str]) -> dict[str, jax.Array]:
+        """``wanted`` tensors of the chunk of micro-batches from ``start``: [c, Rb, *S]."""
+        chunk = self._slice(inputs, start)
+        streams = {k: v for k, v in chunk.items() if not self.io.inputs[k].broadcast}
+        fixed = {k: v for k, v in chunk.items() if self.io.inputs[k].broadcast}
+
+        def micro_batch(s: Any, f: Any) -> Any:
+            return vmap(lambda x: self.graph.evaluate(weights, {**x, **f}, wanted),
+                        self.placement.per_device, (0,))(s)
+
+        return vmap(micro_batch, self.chunk, (0, 0))(streams, fixed)
 
     # -- the program --------------------------------------------------------------------------
 
-    def _everywhere(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())
+    def _chunk_step(self, weights: Any, buffers: Any, inputs: Any, index: Any) -> Any:
+        start = index * self.chunk
+        values = self._evaluate_chunk(weights, inputs, start, list(self.anchors))
+        return self.buffers.write(buffers, values, start)
 
-    def _replica_program(self, weights: Mapping[str, jax.Array],
-                         streams: Mapping[str, jax.Array],
-                         fixed: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """One replica's run: ``streams`` are [M, *S] (M = bps × A), ``fixed`` Broadcast
-        inputs [M, *S] shared by all replicas. Returns each anchor as PopART returns it.
+    def _whole_step(self, weights: Any, inputs: Any) -> Any:
+        buffers = self.buffers.init(self.placement.per_device)
+        return loop(self.micro_batches // self.chunk,
+                    lambda i, b: self._chunk_step(weights, b, inputs, i), buffers)
 
-        Inference micro-batches do not depend on each other, so the M of them are evaluated as
-        one vectorised computation: XLA on CPU runs the body of a loop (lax.scan) several
-        times slower than the same operations outside one (the benchmark's convnet: 11-17 ms
-        per micro-batch in a scan, 1.5 ms vectorised), and this keeps the run one program."""
-        steps = self.config.batches_per_step * self.config.accumulation.factor
-        values = vmap(lambda xs: self.graph.evaluate(weights, xs, list(self.anchors)), steps,
-                      (0,))({**streams, **fixed})
-        return {name: returned(values[name], art) for name, art in self.anchors.items()}
+    def _compile(self) -> list[Any]:
+        weights = self._weights
+        inputs = self._abstract_inputs()
+        if not self.on_host:
+            program = jax.jit(self.placement.spmd(
+                self._whole_step, (None, self._stream_axes()), self.buffers.replica_axes()))
+            return [program.lower(weights, inputs).compile()]
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        buffers = self.buffers.shapes()
+        init = jax.jit(lambda: self.buffers.init(self.placement.per_device)).lower().compile()
+        chunk = jax.jit(self._chunk_step, donate_argnums=(1,)).lower(
+            weights, buffers, inputs, index).compile()
+        return [init, chunk]
 
-    def _build(self) -> Any:
-        streamed = [n for n, spec in self.io.inputs.items() if not spec.broadcast]
-        stacked_out = {n: (1 if art.name in ("All", "EveryN") else 0)
-                       for n, art in self.anchors.items()}
-        per_device = self.config.replication.local_factor // len(self.devices)
+    def _execute(self, inputs: Mapping[str, jax.Array]) -> Any:
+        if not self.on_host:
+            return self._program[0](self._weights, inputs)
+        init, chunk = self._program
+        buffers = init()
+        for index in self._indices:
+            buffers = chunk(self._weights, buffers, inputs, index)
+        return buffers
 
-        def block(weights: Any, streams: Any, fixed: Any) -> Any:
-            # the replicas of one device, vectorised; axis 1 of a stream is the replica
-            return vmap(self._replica_program, per_device, (None, 1, None),
-                        stacked_out)(weights, streams, fixed)
+    def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The step's memory by part (and the anchors by name), for the memory check."""
+        inputs = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+                     for s in self._abstract_inputs().values())
+        anchors = self.buffers.nbytes()
+        host_copies = 2 if self.placement.platform == "cpu" else 1
+        weights = sum(int(v.nbytes) for v in self.graph.weights.values())
+        parts = {"inputs on the device": inputs,
+                 "anchors (device and host)": host_copies * sum(anchors.values()),
+                 "weights": weights, "program temporaries": temporaries}
+        return parts, {f"anchor {k!r}": v * host_copies for k, v in anchors.items()}
 
-        if len(self.devices) == 1:
-            return jax.jit(block)
-        return jax.jit(jax.shard_map(
-            block, mesh=self.mesh,
-            in_specs=(P(), {n: P(None, _REPLICA) for n in streamed}, P()),
-            out_specs={n: P(None, _REPLICA) if a else P(_REPLICA)
-                       for n, a in stacked_out.items()},
-            check_vma=False))  # replicas are independent: nothing to check across them
+    def _check_memory(self, temporaries: int) -> None:
+        parts, detail = self._memory_parts(temporaries)
+        whole = [n for n, art in self.anchors.items() if art.name == "All"]
+        fix = (f"run fewer micro-batches per step (batches_per_step="
+               f"{self.config.batches_per_step})"
+               + (f", anchor {', '.join(repr(n) for n in whole[:3])} with Final, Sum or "
+                  f"EveryN instead of All" if whole else "")
+               + f", or evaluate fewer micro-batches at once (micro_batches_per_chunk, now "
+                 f"{self.chunk}).")
+        check_fits(type(self).__name__, parts, self.devices[0], fix, detail)
 
     def prepare(self) -> None:
-        """Compile the step program for this session's shapes (run does it when needed)."""
-        if self._program is not None:
-            return
-        streams, fixed = self._device_inputs(self.io.allocate_inputs(), as_shapes=True)
-        self._program = self._build().lower(self._weights, streams, fixed).compile()
+        """Check the step fits, then compile it (run does it when needed)."""
+        with self._lock:
+            if self._program is not None:
+                return
+            self._check_memory(0)  # inputs and anchors alone, before compiling anything
+            programs = self._compile()
+            temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
+                               if p.memory_analysis() is not None), default=0)
+            self._check_memory(temporaries)
+            self._indices = [self.placement.put_everywhere(np.int32(i))
+                             for i in range(self.micro_batches // self.chunk)]
+            self._program = programs
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def _device_inputs(self, inputs: Mapping[str, np.ndarray], as_shapes: bool = False,
-                       steps: tuple[int, ...] | None = None
-                       ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Canonical host arrays -> [*steps, R, *S] streams and [*steps, *S] Broadcast inputs
-        (``steps`` defaults to (bps × A,)), placed on the replicas' devices (on one device the
-        compiled program takes the host arrays); ``as_shapes`` gives their shapes and
-        placements only, for compiling."""
-        cfg = self.config
-        steps = steps or (cfg.batches_per_step * cfg.accumulation.factor,)
-        replicas = cfg.replication.local_factor
-        several = len(self.devices) > 1
-        streams, fixed = {}, {}
-        for name, spec in self.io.inputs.items():
-            array = np.asarray(inputs[name], dtype=spec.dtype)  # PopART's int64 -> int32
-            if spec.broadcast:
-                array, placement = array.reshape(steps + spec.shape), self._everywhere()
-            else:
-                array = array.reshape(steps + (replicas,) + spec.shape)
-                placement = NamedSharding(self.mesh, P(*(None,) * len(steps), _REPLICA))
-            if as_shapes:
-                array = jax.ShapeDtypeStruct(array.shape, jnp.dtype(array.dtype),
-                                             sharding=placement if several else None)
-            elif several:
-                array = jax.device_put(array, placement)
-            (fixed if spec.broadcast else streams)[name] = array
-        return streams, fixed
-
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
-        self.prepare()
-        streams, fixed = self._device_inputs(inputs)
-        out = self._program(self._weights, streams, fixed)
-        return {name: np.array(value).reshape(self.io.anchor_shape(name))  # writable copies
-                for name, value in out.items()}
+        with self._lock:
+            self.prepare()
+            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes())
+            out = self.placement.fetch(self._execute(device_inputs))
+        return {name: value.reshape(self.io.anchor_shape(name)) for name, value in out.items()}
 
     # -- weights ----------------------------------------------------------------------------------
 
     def weights(self) -> dict[str, np.ndarray]:
         """Current weights in the model's own dtypes (JAX computes INT64 as INT32, as PopART
         casts it on the device)."""
+        current = self._weights  # one committed set, read once
         return {name: np.array(value).astype(self.graph.weights[name].dtype)
-                for name, value in self._weights.items()}
+                for name, value in self.placement.fetch(current).items()}
 
     def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None:
         check_weights(self.graph.weights, mapping)
-        for name, value in mapping.items():
-            self._weights[name] = jax.device_put(jnp.asarray(value), self._everywhere())
+        new = self.placement.put_everywhere({k: jnp.asarray(v) for k, v in mapping.items()})
+        with self._lock:
+            self._weights = {**self._weights, **new}
 
     def model_proto(self) -> onnx.ModelProto:
         proto = onnx.ModelProto()

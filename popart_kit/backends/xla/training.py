@@ -1,10 +1,15 @@
 """The xla backend for training: PopART's accumulation, replication and update semantics.
 
-One ``run`` is bps weight updates. Each update takes the gradient of the loss for A micro-batches
-on every local replica (evaluated vectorised), reduces them over accumulation and replicas - a
-sum, divided by A × R for Mean, as PopART's Post strategy does -, the replica part as a
-collective over the mesh axis, and applies the optimizer once. The bps updates are a loop inside
-the one compiled program; hyperparameters are arguments, so changing them never recompiles.
+One ``run`` is bps weight updates. Each update accumulates, in one gradient accumulator, the
+gradient of the loss summed over chunks of its A micro-batches on every local replica (memory
+flat in A), reduces it once over the replicas - a sum, divided by A x R for Mean, as PopART's
+Post strategy does - and applies the optimizer. Hyperparameters live on the device and change
+only through ``set_optimizer``, so changing them never recompiles.
+
+A run is atomic: the program computes new weights and optimizer state beside the committed
+ones, and they replace them only once the run has succeeded (anchors fetched, every update
+finite); an exception or KeyboardInterrupt at any point leaves the session as it was. A run
+whose loss or gradients are not finite is refused the same way, naming the update.
 """
 
 from __future__ import annotations
@@ -16,21 +21,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-from jax.sharding import PartitionSpec as P
 
 from ..._problems import Problem, raise_errors
 from ...shapes import AnchorReturnType
-from .runtime import _REPLICA, XlaBackend, returned, vmap
+from .placement import REPLICA
+from .runtime import XlaBackend
+from .steps import loop
 
-__all__ = ["XlaTrainingBackend"]
+__all__ = ["XlaTrainingBackend", "NonFiniteUpdate"]
+
+
+class NonFiniteUpdate(ValueError):
+    """A training run met a non-finite loss or gradient; its updates were not applied."""
 
 
 class XlaTrainingBackend(XlaBackend):
-    """Training steps of a model whose ``loss`` tensor is minimised by ``optimizer``."""
+    """Training steps of a model whose ``loss`` tensor is minimised by ``optimizer``.
+
+    ``check_finite`` (default True) refuses a run whose loss or gradients are not finite
+    (NaN or Inf) and keeps the weights as they were; False skips the check."""
 
     def __init__(self, model: onnx.ModelProto, config: Any,
-                 anchors: Mapping[str, AnchorReturnType], loss: str, optimizer: Any) -> None:
-        super().__init__(model, config, anchors)
+                 anchors: Mapping[str, AnchorReturnType], loss: str, optimizer: Any,
+                 micro_batches_per_chunk: int | None = None, check_finite: bool = True) -> None:
+        self.loss = loss
+        super().__init__(model, config, anchors, micro_batches_per_chunk)
         problems = []
         if config.pipeline.enabled and config.accumulation.factor == 1:
             problems.append(Problem(
@@ -51,9 +66,7 @@ class XlaTrainingBackend(XlaBackend):
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
         raise_errors("TrainingSession", problems)
-        shape = jax.eval_shape(lambda w, x: self.graph.evaluate(w, x, [loss])[loss], {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.graph.weights.items()}, {
-            k: jax.ShapeDtypeStruct(s.shape, s.dtype) for k, s in self.io.inputs.items()}).shape
+        shape = self._shapes(self.io.inputs, [loss])[loss].shape
         self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)]
         problems = []
         if shape:
@@ -68,10 +81,11 @@ class XlaTrainingBackend(XlaBackend):
                 "pass the loss of the model, whose weights come from addInitializedInputTensor.",
                 "K-no-weights"))
         raise_errors("TrainingSession", problems)
-        self.loss = loss
         self.optimizer = optimizer
+        self.check_finite = bool(check_finite)
         trained = {k: self._weights[k] for k in self.trained}
-        self._opt_state = jax.device_put(optimizer.init(trained), self._everywhere())
+        self._opt_state = self.placement.put_everywhere(optimizer.init(trained))
+        self._hyper = self._device_hyper(optimizer)
 
     def _dropout_problems(self) -> list[Problem]:
         """PopART drops out at random when training; the xla backend has no random operators."""
@@ -103,91 +117,154 @@ class XlaTrainingBackend(XlaBackend):
                 todo += [t for t in producer[tensor].input if t]
         return seen
 
-    # -- the program --------------------------------------------------------------------------
+    def _device_hyper(self, optimizer: Any) -> dict[str, jax.Array]:
+        return self.placement.put_everywhere(
+            {k: np.float32(v) for k, v in optimizer.hyperparameters().items()})
 
-    def _update_step(self, hyper: Any, carry: Any, xs: Any, replicas_here: int,
-                     collective: bool) -> tuple[Any, dict[str, jax.Array]]:
-        """One weight update: xs are the A micro-batches of this device's replicas."""
-        weights, opt_state = carry
-        names = self.trained  # weights off the loss's path get no update, as in PopART
+    # -- chunks and updates -------------------------------------------------------------------
+
+    def _chunk_limit(self) -> int:
+        return self.config.accumulation.factor  # a chunk never crosses a weight update
+
+    def _activation_bytes(self, inputs: Any) -> int:
+        return 2 * super()._activation_bytes(inputs)  # the backward pass keeps as much again
+
+    def _work(self) -> dict[str, Any]:
+        """What a step carries besides the weights: the gradient accumulator, the anchor
+        buffers and the finiteness flags (one row per update: loss, then each gradient)."""
+        trained = {k: jnp.zeros(self.graph.weights[k].shape,
+                                jax.dtypes.canonicalize_dtype(self.graph.weights[k].dtype))
+                   for k in self.trained}
+        return {"grads": trained, "loss_finite": jnp.bool_(True),
+                "buffers": self.buffers.init(self.placement.per_device),
+                "flags": jnp.ones((self.config.batches_per_step, 1 + len(self.trained)), bool)}
+
+    def _work_shapes(self) -> Any:
+        return jax.eval_shape(self._work)
+
+    def _chunk_step(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any,
+                    index: Any) -> Any:
+        """Accumulate the gradient of chunk ``index`` of update ``update``."""
+        weights, _ = state
+        start = update * self.config.accumulation.factor + index * self.chunk
         wanted = list(dict.fromkeys([self.loss, *self.anchors]))
 
-        def one(x: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-            def loss_of(train: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
-                values = self.graph.evaluate({**weights, **train}, x, wanted)
-                # gradients leave the backward pass scaled by the loss scaling, as in PopART;
-                # the optimizer divides it out
-                scale = hyper.get("loss_scaling", 1.0)
-                return jnp.sum(values[self.loss]) * scale, values
-            grads, values = jax.grad(loss_of, has_aux=True)({n: weights[n] for n in names})
-            return grads, {n: values[n] for n in self.anchors}
+        def loss_of(train: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
+            values = self._evaluate_chunk({**weights, **train}, inputs, start, wanted)
+            # gradients leave the backward pass scaled by the loss scaling, as in PopART;
+            # the optimizer divides it out
+            scale = hyper.get("loss_scaling", 1.0)
+            return jnp.sum(values[self.loss]) * scale, values
 
-        streams, fixed = xs
-        accumulation = self.config.accumulation.factor
-        # streams [A, Rb, *S]: vmap over the device's replicas, then over accumulation steps
-        per_replica = vmap(lambda s: vmap(lambda a, f: one({**a, **f}), accumulation,
-                                          (0, 0))(s, fixed), replicas_here, (1,))
-        grads, values = per_replica(streams)  # grads [Rb, A, ...], values [Rb, A, *S]
-        total = {n: g.sum(axis=(0, 1)) for n, g in grads.items()}
-        if collective:
-            total = jax.lax.psum(total, _REPLICA)
+        grads, values = jax.grad(loss_of, has_aux=True)({n: weights[n] for n in self.trained})
+        out = dict(work)
+        out["grads"] = {n: work["grads"][n] + grads[n] for n in self.trained}
+        if self.check_finite:
+            out["loss_finite"] = work["loss_finite"] & jnp.isfinite(values[self.loss]).all()
+        out["buffers"] = self.buffers.write(work["buffers"],
+                                            {n: values[n] for n in self.anchors}, start)
+        return out
+
+    def _update_step(self, state: Any, work: Any, hyper: Any, update: Any) -> Any:
+        """Reduce the accumulated gradient over the replicas and apply the optimizer."""
+        weights, opt_state = state
+        grads = work["grads"]
+        loss_finite = work["loss_finite"]
+        if self.placement.several:
+            grads = jax.lax.psum(grads, REPLICA)
+            loss_finite = jax.lax.psum((~loss_finite).astype(jnp.int32), REPLICA) == 0
         if self.config.accumulation.reduction == "mean":
-            scale = accumulation * self.config.replication.local_factor
-            total = {n: g / scale for n, g in total.items()}
-        trained = {n: weights[n] for n in names}
-        new_trained, opt_state = self.optimizer.apply(hyper, trained, total, opt_state)
-        return ({**weights, **new_trained}, opt_state), values
+            scale = self.config.accumulation.factor * self.config.replication.local_factor
+            grads = {n: g / scale for n, g in grads.items()}
+        out = dict(work)
+        if self.check_finite:
+            row = jnp.stack([loss_finite] + [jnp.isfinite(grads[n]).all()
+                                             for n in self.trained])
+            out["flags"] = work["flags"].at[update].set(row)
+        trained = {n: weights[n] for n in self.trained}
+        new_trained, opt_state = self.optimizer.apply(hyper, trained, grads, opt_state)
+        out["grads"] = jax.tree.map(jnp.zeros_like, work["grads"])
+        out["loss_finite"] = jnp.bool_(True)
+        return ({**weights, **new_trained}, opt_state), out
 
-    def _build(self) -> Any:
-        cfg = self.config
-        devices = len(self.devices)
-        per_device = cfg.replication.local_factor // devices
-        streamed = [n for n, spec in self.io.inputs.items() if not spec.broadcast]
+    def _update(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any) -> Any:
+        accumulation = self.config.accumulation.factor
+        work = loop(accumulation // self.chunk,
+                    lambda k, w: self._chunk_step(state, w, hyper, inputs, update, k), work)
+        return self._update_step(state, work, hyper, update)
 
-        def block(weights: Any, opt_state: Any, hyper: Any, streams: Any, fixed: Any) -> Any:
-            # streams [bps, A, Rb, *S], fixed [bps, A, *S]: a loop over the bps updates
-            def step(carry: Any, xs: Any) -> Any:
-                return self._update_step(hyper, carry, xs, per_device, devices > 1)
-            (weights, opt_state), values = jax.lax.scan(step, (weights, opt_state),
-                                                         (streams, fixed))
-            # values [bps, Rb, A, *S] -> [bps × A, Rb, *S]: the run's micro-batches in order
-            every = {n: jnp.swapaxes(v, 1, 2).reshape((-1,) + v.shape[1:2] + v.shape[3:])
-                     for n, v in values.items()}
-            return weights, opt_state, {n: returned(every[n], art)
-                                        for n, art in self.anchors.items()}
+    def _whole_step(self, state: Any, hyper: Any, inputs: Any) -> Any:
+        state, work = loop(self.config.batches_per_step,
+                           lambda u, c: self._update(c[0], c[1], hyper, inputs, u),
+                           (state, self._work()))
+        return state, work["buffers"], work["flags"]
 
-        if devices == 1:
-            return jax.jit(block, donate_argnums=(0, 1))
-        anchor_specs = {n: P(None, _REPLICA) if art.name in ("All", "EveryN")
-                        else P(_REPLICA) for n, art in self.anchors.items()}
-        return jax.jit(jax.shard_map(
-            block, mesh=self.mesh,
-            in_specs=(P(), P(), P(), {n: P(None, None, _REPLICA) for n in streamed}, P()),
-            out_specs=(P(), P(), anchor_specs), check_vma=False), donate_argnums=(0, 1))
+    def _compile(self) -> list[Any]:
+        state = (self._weights, self._opt_state)
+        inputs = self._abstract_inputs()
+        if not self.on_host:
+            program = jax.jit(self.placement.spmd(
+                self._whole_step, (None, None, self._stream_axes()),
+                (None, self.buffers.replica_axes(), None)))
+            return [program.lower(state, self._hyper, inputs).compile()]
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        work = self._work_shapes()
+        init = jax.jit(self._work).lower().compile()
+        chunk = jax.jit(self._chunk_step, donate_argnums=(1,)).lower(
+            state, work, self._hyper, inputs, index, index).compile()
+        update = jax.jit(self._update_step, donate_argnums=(1,)).lower(
+            state, work, self._hyper, index).compile()
+        return [init, chunk, update]
 
-    def _arguments(self, inputs: Mapping[str, np.ndarray], as_shapes: bool = False) -> tuple:
-        cfg = self.config
-        streams, fixed = self._device_inputs(
-            inputs, as_shapes, steps=(cfg.batches_per_step, cfg.accumulation.factor))
-        hyper = {k: jnp.asarray(v, jnp.float32)
-                 for k, v in self.optimizer.hyperparameters().items()}
-        return self._weights, self._opt_state, hyper, streams, fixed
+    def _execute(self, inputs: Mapping[str, jax.Array]) -> Any:
+        state = (self._weights, self._opt_state)
+        if not self.on_host:
+            return self._program[0](state, self._hyper, inputs)
+        init, chunk, update = self._program
+        work = init()
+        chunks = self._indices[:self.config.accumulation.factor // self.chunk]
+        for u in self._indices[:self.config.batches_per_step]:
+            for k in chunks:
+                work = chunk(state, work, self._hyper, inputs, u, k)
+            state, work = update(state, work, self._hyper, u)
+        return state, work["buffers"], work["flags"]
 
-    def prepare(self) -> None:
-        """Compile the training step for this session's shapes (run does it when needed)."""
-        if self._program is None:
-            self._program = self._build().lower(
-                *self._arguments(self.io.allocate_inputs(), as_shapes=True)).compile()
+    def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
+        parts, detail = super()._memory_parts(temporaries)
+        state = sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+                    for a in jax.tree.leaves(self._opt_state))
+        # a run computes new weights and state beside the committed ones (atomic runs)
+        parts["weights"] = 2 * parts["weights"]
+        parts["optimizer state"] = 2 * state
+        return parts, detail
 
     # -- a run ----------------------------------------------------------------------------------
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
-        self.prepare()
-        weights, self._opt_state, out = self._program(*self._arguments(inputs))
-        self._weights = dict(weights)
-        return {name: np.array(value).reshape(self.io.anchor_shape(name))
-                for name, value in out.items()}
+        with self._lock:
+            self.prepare()
+            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes())
+            state, buffers, flags = self._execute(device_inputs)
+            out, flags = self.placement.fetch((buffers, flags))
+            if self.check_finite and not flags.all():
+                self._refuse_non_finite(flags)
+            anchors = {name: value.reshape(self.io.anchor_shape(name))
+                       for name, value in out.items()}
+            # the commit: one assignment, after everything that can fail
+            self._weights, self._opt_state = state
+        return anchors
+
+    def _refuse_non_finite(self, flags: np.ndarray) -> None:
+        update = int(np.argmin(flags.all(axis=1)))
+        names = ["the loss"] + [f"the gradient of {n!r}" for n in self.trained]
+        bad = [names[i] for i in np.flatnonzero(~flags[update])]
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise NonFiniteUpdate(
+            f"weight update {update} of this run (of {len(flags)}) met NaN or Inf in {shown}; "
+            f"no update of the run was applied: the weights and optimizer state are as before "
+            f"the run. Fix: look for NaN/Inf or extreme values in this run's inputs, lower the "
+            f"learning rate or the loss scaling; check_finite=False skips this check.")
 
     def set_random_seed(self, seed: int) -> None:
         """The xla backend runs no random operators (Dropout in training is refused when the
@@ -196,5 +273,7 @@ class XlaTrainingBackend(XlaBackend):
 
     def set_optimizer(self, optimizer: Any) -> None:
         """New hyperparameter values (the session checked it is the same kind of optimizer):
-        the next run passes them to the same compiled program."""
-        self.optimizer = optimizer
+        put on the device once, for the next runs of the same compiled program."""
+        hyper = self._device_hyper(optimizer)
+        with self._lock:
+            self._hyper, self.optimizer = hyper, optimizer
