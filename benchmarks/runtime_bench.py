@@ -1,22 +1,39 @@
-"""The xla backend's speed, against onnxruntime and against hand-written JAX.
+"""The xla backend's speed and memory, each against a baseline measured in the same run.
 
-    python benchmarks/runtime_bench.py [--repeat 20]
+    python benchmarks/runtime_bench.py [--repeat 15] [--only inference,training,...]
 
-For an MLP and a small convolutional model, at bps 1, 16 and 64 (one replica): samples/s of
-``InferenceSession.run`` against onnxruntime running the same ONNX model micro-batch by
-micro-batch, and the session's run time against a hand-written ``jax.jit`` program of the same
-math (vectorised over the bps micro-batches, as the session runs them). Targets: >= 1x
-onnxruntime at bps >= 16; <= 1.05x the hand-written program. Then training: the session's
-step (bps SGD updates of an MLP classifier) against a hand-written jax.jit training step of
-the same math (target <= 1.05x).
-All numbers come from this run, on this machine.
+Sections (every ratio comes from runs interleaved with their baseline, medians of --repeat):
+
+* inference: an MLP and a small convnet at bps 1, 16, 64 (one replica): samples/s of
+  ``InferenceSession.run`` against onnxruntime running the same ONNX model micro-batch by
+  micro-batch (target >= 1x at bps >= 16), and against a hand-written ``jax.jit`` program of
+  the same maths (target <= 1.05x).
+* training: an MLP classifier, bps 1, 16, 64 SGD updates per run, against a hand-written
+  ``jax.jit`` training step (target <= 1.05x).
+* accumulation: the same 16 micro-batches as bps=1 x A=16 against bps=16 x A=1 (target
+  <= 1.1x), and the step's memory at A=64 against A=1 (target <= 1.2x), a 4-layer MLP.
+* memory: inference step memory at bps=256 against bps=16 with Final and Sum anchors (target
+  <= 1.5x). Memory is what XLA reports for the compiled step (arguments, results,
+  temporaries) less the inputs, the host buffers themselves.
+* replication: samples/s at R = 1, 2, 4, 8 against R = 1 (target >= 0.95x), and replicas on
+  one device (the kit's choice on CPU) against the same replicas split over several CPU
+  devices.
+* cache: a fresh process preparing the same session with and without the persistent
+  compilation cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -27,40 +44,59 @@ import numpy as np
 import onnxruntime as ort
 
 import popart_kit as pk
-from timing import best_of
+from popart_kit.backends.xla import placement
 
 MICRO_BATCH = 32
 
 
-def run_onnxruntime(session: ort.InferenceSession, micro_batches: np.ndarray) -> list:
-    """The same step, micro-batch by micro-batch, as a host loop around onnxruntime does it."""
-    return [session.run(None, {"x": m}) for m in micro_batches]
+def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each function, called in turn ``repeat`` times after one warm-up."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run_jax(program: Callable, weights: tuple, micro_batches: np.ndarray) -> np.ndarray:
-    return np.asarray(program(weights, micro_batches))
+def ready(value: Any) -> Any:
+    return jax.block_until_ready(value)
 
 
-def mlp() -> tuple[bytes, dict[str, np.ndarray], Callable]:
+# -- models -------------------------------------------------------------------------------------
+
+
+def mlp(layers: int = 1, width: int = 512, label: bool = False):
     rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((256, 512)).astype(np.float32) / 16
-    w2 = rng.standard_normal((512, 10)).astype(np.float32) / 16
+    ws = [rng.standard_normal((256 if i == 0 else width, width)).astype(np.float32) / 16
+          for i in range(layers)]
+    head = rng.standard_normal((width, 10)).astype(np.float32) / 16
     b = pk.Builder()
     x = b.addInputTensor(pk.TensorInfo("FLOAT", [MICRO_BATCH, 256]), debugContext="x")
-    h = b.aiOnnx.relu([b.aiOnnx.matmul([x, b.addInitializedInputTensor(w1)])])
-    y = b.aiOnnx.softmax([b.aiOnnx.matmul([h, b.addInitializedInputTensor(w2)])], axis=1)
-    b.addOutputTensor(y)
+    h = x
+    for i, w in enumerate(ws):
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([h, b.addInitializedInputTensor(w, f"w{i}")])])
+    y = b.aiOnnx.softmax([b.aiOnnx.matmul([h, b.addInitializedInputTensor(head, "head")])],
+                         axis=1)
+    loss = None
+    if label:
+        lab = b.addInputTensor(pk.TensorInfo("INT32", [MICRO_BATCH]), debugContext="label")
+        loss = b.aiGraphcore.nllloss([y, lab], pk.ReductionType.Mean)
+    else:
+        b.addOutputTensor(y)
 
-    def math(weights, xs):
-        def one(x):
-            z = jnp.maximum(x @ weights[0], 0) @ weights[1]
-            return jax.nn.softmax(z, axis=1)
-        return jax.vmap(one)(xs)
+    def forward(weights, x):
+        for w in weights[:-1]:
+            x = jnp.maximum(x @ w, 0)
+        return jax.nn.softmax(x @ weights[-1], axis=1)
 
-    return b.getModelProto(), {"w": (w1, w2)}, math
+    return b.getModelProto(), (*ws, head), forward, loss
 
 
-def convnet() -> tuple[bytes, dict[str, np.ndarray], Callable]:
+def convnet():
     rng = np.random.default_rng(0)
     k1 = rng.standard_normal((16, 3, 3, 3)).astype(np.float32) / 4
     k2 = rng.standard_normal((32, 16, 3, 3)).astype(np.float32) / 8
@@ -77,90 +113,209 @@ def convnet() -> tuple[bytes, dict[str, np.ndarray], Callable]:
     def conv(v, kernel):
         return jax.lax.conv_general_dilated(v, kernel, (1, 1), ((1, 1), (1, 1)))
 
-    def math(weights, xs):
-        def one(v):
-            v = jnp.maximum(conv(v, weights[0]), 0)
-            v = jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2),
-                                      "VALID")
-            v = jnp.maximum(conv(v, weights[1]), 0).mean((2, 3))
-            return jax.nn.softmax(v @ weights[2], axis=1)
-        return jax.vmap(one)(xs)
+    def forward(weights, v):
+        v = jnp.maximum(conv(v, weights[0]), 0)
+        v = jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+        v = jnp.maximum(conv(v, weights[1]), 0).mean((2, 3))
+        return jax.nn.softmax(v @ weights[2], axis=1)
 
-    return b.getModelProto(), {"w": (k1, k2, w)}, math
+    return b.getModelProto(), (k1, k2, w), forward, None
+
+
+def inference_cfg(bps: int, replicas: int = 1) -> pk.SessionConfig:
+    return pk.SessionConfig(mode="inference", batches_per_step=bps,
+                            replication={"local_factor": replicas}, device={"target": "offline"})
+
+
+def training_cfg(bps: int, acc: int = 1, replicas: int = 1) -> pk.SessionConfig:
+    return pk.SessionConfig(mode="training", batches_per_step=bps,
+                            accumulation={"factor": acc}, replication={"local_factor": replicas},
+                            device={"target": "offline"})
+
+
+def labelled(sess: Any) -> dict[str, np.ndarray]:
+    inputs = sess.io.allocate_inputs("random")
+    if "label" in inputs:
+        inputs["label"] = (np.abs(inputs["label"]) % 10).astype(np.int32)
+    return inputs
+
+
+def step_memory(sess: Any) -> int:
+    """Bytes XLA reports for the step beyond its inputs (see the module docs)."""
+    sess.prepare()
+    parts = sess._backend.memory
+    return sum(v for k, v in parts.items() if k != "inputs on the device")
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+def inference(repeat: int) -> None:
+    print(f"\n{'inference':<10} {'bps':>4} {'session':>11} {'onnxruntime':>12} {'vs ort':>7} "
+          f"{'jax.jit':>9} {'vs jit':>7}   (target: vs ort >= 1 at bps >= 16, vs jit <= 1.05)")
+    for name, build in (("mlp", mlp), ("convnet", convnet)):
+        model, weights, forward, _ = build()
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # no notes about initializers listed as graph inputs
+        ort_session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        device_w = tuple(jnp.asarray(w) for w in weights)
+        program = jax.jit(lambda w, xs, f=forward: jax.vmap(lambda x: f(w, x))(xs))
+        for bps in (1, 16, 64):
+            sess = pk.InferenceSession(model, inference_cfg(bps), backend="xla")
+            inputs = sess.io.allocate_inputs("random")
+            micro = inputs["x"].reshape((bps,) + sess.io.inputs["x"].shape)
+            t = interleaved(
+                repeat, session=functools.partial(sess.run, inputs),
+                ort=lambda m=micro: [ort_session.run(None, {"x": v}) for v in m],
+                jit=lambda m=micro: np.asarray(program(device_w, m)))
+            samples = bps * MICRO_BATCH
+            print(f"{name:<10} {bps:>4} {samples / t['session']:>9.0f}/s "
+                  f"{samples / t['ort']:>10.0f}/s {t['ort'] / t['session']:>6.2f}x "
+                  f"{t['jit'] * 1e3:>7.2f}ms {t['session'] / t['jit']:>6.2f}x")
 
 
 def training(repeat: int) -> None:
-    """A training step (bps SGD updates of an MLP classifier) against hand-written JAX."""
-    rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((256, 512)).astype(np.float32) / 16
-    w2 = rng.standard_normal((512, 10)).astype(np.float32) / 16
-    b = pk.Builder()
-    x = b.addInputTensor(pk.TensorInfo("FLOAT", [MICRO_BATCH, 256]), debugContext="x")
-    label = b.addInputTensor(pk.TensorInfo("INT32", [MICRO_BATCH]), debugContext="label")
-    h = b.aiOnnx.relu([b.aiOnnx.matmul([x, b.addInitializedInputTensor(w1, "w1")])])
-    probs = b.aiOnnx.softmax([b.aiOnnx.matmul([h, b.addInitializedInputTensor(w2, "w2")])],
-                             axis=1)
-    loss = b.aiGraphcore.nllloss([probs, label], pk.ReductionType.Mean)
+    model, weights, forward, loss = mlp(label=True)
 
-    def update(weights, batch):
+    def update(ws, batch):
         def objective(w):
-            p = jax.nn.softmax(jnp.maximum(batch[0] @ w[0], 0) @ w[1], axis=1)
+            p = forward(w, batch[0])
             return -jnp.log(p[jnp.arange(MICRO_BATCH), batch[1]]).mean()
-        grads = jax.grad(objective)(weights)
-        return tuple(w - 0.01 * g for w, g in zip(weights, grads, strict=True)), None
+        grads = jax.grad(objective)(ws)
+        return tuple(w - 0.01 * g for w, g in zip(ws, grads, strict=True)), None
 
     program = jax.jit(lambda w, xs, ys: jax.lax.scan(update, w, (xs, ys))[0])
-    print(f"{'training':<8} {'bps':>4} {'session':>12} {'jax.jit':>10} {'vs jit':>7}")
+    print(f"\n{'training':<10} {'bps':>4} {'session':>11} {'jax.jit':>9} {'vs jit':>7}   "
+          f"(target: vs jit <= 1.05)")
     for bps in (1, 16, 64):
-        cfg = pk.SessionConfig(mode="training", batches_per_step=bps,
-                               device={"target": "offline"})
-        sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss,
+        sess = pk.TrainingSession(model, training_cfg(bps), loss=loss,
                                   optimizer=pk.SGD(learning_rate=0.01), backend="xla")
-        inputs = sess.io.allocate_inputs("random")
-        inputs["label"] = (np.abs(inputs["label"]) % 10).astype(np.int32)
+        inputs = labelled(sess)
         xs = inputs["x"].reshape(bps, MICRO_BATCH, 256)
         ys = inputs["label"].reshape(bps, MICRO_BATCH)
-        weights = (jnp.asarray(w1), jnp.asarray(w2))
-        session_s = best_of(repeat, functools.partial(sess.run, inputs))
-        jit_s = best_of(repeat, functools.partial(run_jax_training, program, weights, xs, ys))
-        print(f"{'mlp':<8} {bps:>4} {session_s * 1e3:>10.2f}ms {jit_s * 1e3:>8.2f}ms "
-              f"{session_s / jit_s:>6.2f}x")
-    print("target: 'vs jit' <= 1.05x (the session adds PopART's anchors and its checks)")
+        device_w = tuple(jnp.asarray(w) for w in weights)
+        t = interleaved(repeat, session=functools.partial(sess.run, inputs),
+                        jit=lambda xs=xs, ys=ys: ready(program(device_w, xs, ys)))
+        print(f"{'mlp':<10} {bps:>4} {t['session'] * 1e3:>9.2f}ms {t['jit'] * 1e3:>7.2f}ms "
+              f"{t['session'] / t['jit']:>6.2f}x")
+    unchecked = pk.TrainingSession(model, training_cfg(16), loss=loss,
+                                   optimizer=pk.SGD(learning_rate=0.01), backend="xla",
+                                   check_finite=False)
+    checked = pk.TrainingSession(model, training_cfg(16), loss=loss,
+                                 optimizer=pk.SGD(learning_rate=0.01), backend="xla")
+    inputs = labelled(checked)
+    t = interleaved(repeat, checked=functools.partial(checked.run, inputs),
+                    unchecked=functools.partial(unchecked.run, inputs))
+    print(f"the non-finite check at bps 16: {t['checked'] / t['unchecked']:.3f}x the run "
+          f"without it")
 
 
-def run_jax_training(program: Callable, weights: tuple, xs: np.ndarray, ys: np.ndarray) -> Any:
-    return jax.block_until_ready(program(weights, xs, ys))
+def accumulation(repeat: int) -> None:
+    model, _, _, loss = mlp(layers=4, label=True)
+    sessions = {}
+    for bps, acc in ((16, 1), (1, 16), (1, 1), (1, 64)):
+        sessions[bps, acc] = pk.TrainingSession(model, training_cfg(bps, acc), loss=loss,
+                                                optimizer=pk.SGD(learning_rate=0.01),
+                                                backend="xla")
+    a, b = sessions[1, 16], sessions[16, 1]
+    ia, ib = labelled(a), labelled(b)
+    t = interleaved(repeat, acc=functools.partial(a.run, ia), bps=functools.partial(b.run, ib))
+    print(f"\naccumulation (4-layer MLP, micro-batch {MICRO_BATCH}): bps=1 x A=16 "
+          f"{t['acc'] * 1e3:.2f}ms, bps=16 x A=1 {t['bps'] * 1e3:.2f}ms: "
+          f"{t['acc'] / t['bps']:.2f}x (target <= 1.1)")
+    m1, m64 = step_memory(sessions[1, 1]), step_memory(sessions[1, 64])
+    print(f"step memory beyond the inputs: A=1 {m1 / 2**20:.1f} MiB, A=64 {m64 / 2**20:.1f} MiB:"
+          f" {m64 / m1:.2f}x (target <= 1.2); chunk at A=64: {sessions[1, 64]._backend.chunk}")
+
+
+def memory() -> None:
+    print("\ninference step memory beyond the inputs, anchors Final + Sum (target: bps 256 "
+          "<= 1.5x bps 16)")
+    for name, build in (("mlp", mlp), ("convnet", convnet)):
+        model, *_ = build()
+        out = {}
+        for bps in (16, 256):
+            sess = pk.InferenceSession(model, inference_cfg(bps, 4), backend="xla",
+                                       anchors={"x": "Final", model_output(model): "Sum"})
+            out[bps] = step_memory(sess)
+        print(f"{name:<10} bps 16 {out[16] / 2**20:.1f} MiB, bps 256 {out[256] / 2**20:.1f} MiB:"
+              f" {out[256] / out[16]:.2f}x")
+
+
+def model_output(model: bytes) -> str:
+    import onnx
+
+    return onnx.load_from_string(model).graph.output[0].name
+
+
+def replication(repeat: int) -> None:
+    print(f"\nreplication: samples/s vs R=1 (target >= 0.95), and one device vs the replicas "
+          f"split over CPU devices (>= 1 means the kit's choice is faster); "
+          f"{len(jax.devices())} CPU devices, {os.cpu_count()} cores")
+    model, _, _, loss = mlp(label=True)
+    imodel, *_ = mlp()
+    for mode in ("inference", "training"):
+        def make(replicas: int, devices: int, mode: str = mode) -> Any:
+            placement.CPU_REPLICA_DEVICES = devices
+            if mode == "inference":
+                return pk.InferenceSession(imodel, inference_cfg(16, replicas), backend="xla")
+            return pk.TrainingSession(model, training_cfg(16, 1, replicas), loss=loss,
+                                      optimizer=pk.SGD(learning_rate=0.01), backend="xla")
+        base = make(1, 1)
+        base_inputs = labelled(base)
+        for replicas in (2, 4, 8):
+            one, split = make(replicas, 1), make(replicas, replicas)
+            ione, isplit = labelled(one), labelled(split)
+            t = interleaved(repeat, base=functools.partial(base.run, base_inputs),
+                            one=functools.partial(one.run, ione),
+                            split=functools.partial(split.run, isplit))
+            print(f"{mode:<10} R={replicas}: {replicas * t['base'] / t['one']:.2f}x R=1 "
+                  f"throughput; one device vs {len(split._backend.devices)} devices: "
+                  f"{t['split'] / t['one']:.2f}x")
+    placement.CPU_REPLICA_DEVICES = 1
+
+
+def cache() -> None:
+    script = textwrap.dedent("""
+        import time, sys
+        sys.path.insert(0, %r)
+        from runtime_bench import mlp, training_cfg
+        import popart_kit as pk
+        model, _, _, loss = mlp(layers=4, label=True)
+        sess = pk.TrainingSession(model, training_cfg(16, 4), loss=loss,
+                                  optimizer=pk.Adam(learning_rate=0.01), backend="xla")
+        start = time.perf_counter(); sess.prepare(); print(time.perf_counter() - start)
+    """ % os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as directory:
+        times = {}
+        for label, setting in (("off", "off"), ("first", directory), ("second", directory)):
+            env = {**os.environ, placement.CACHE_VARIABLE: setting}
+            out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                 text=True, check=True)
+            times[label] = float(out.stdout.strip().splitlines()[-1])
+    print(f"\ncompilation cache (4-layer MLP training step, a fresh process each): prepare "
+          f"without the cache {times['off']:.2f}s, filling it {times['first']:.2f}s, from it "
+          f"{times['second']:.2f}s ({times['off'] / times['second']:.1f}x faster)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--only", default="inference,training,accumulation,memory,"
+                                           "replication,cache")
     args = parser.parse_args()
     warnings.simplefilter("ignore", pk.PopartKitWarning)
-    print(f"machine: {platform.machine()} {platform.processor() or ''}; jax {jax.__version__} on "
-          f"{jax.devices()[0].platform}; onnxruntime {ort.__version__}")
-    print(f"{'model':<8} {'bps':>4} {'session':>12} {'onnxruntime':>12} {'vs ort':>7} "
-          f"{'jax.jit':>10} {'vs jit':>7}")
-    for name, build in (("mlp", mlp), ("convnet", convnet)):
-        model, weights, math = build()
-        ort_session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-        for bps in (1, 16, 64):
-            cfg = pk.SessionConfig(mode="inference", batches_per_step=bps,
-                                   device={"target": "offline"})
-            sess = pk.InferenceSession(model, cfg, backend="xla")
-            (output,) = sess.anchors
-            inputs = sess.io.allocate_inputs("random")
-            micro = inputs["x"].reshape((bps,) + sess.io.inputs["x"].shape)
-            program = jax.jit(math)
-            device_w = tuple(jnp.asarray(w) for w in weights["w"])
-            session_s = best_of(args.repeat, functools.partial(sess.run, inputs))
-            ort_s = best_of(args.repeat, functools.partial(run_onnxruntime, ort_session, micro))
-            jit_s = best_of(args.repeat, functools.partial(run_jax, program, device_w, micro))
-            samples = bps * MICRO_BATCH
-            print(f"{name:<8} {bps:>4} {samples / session_s:>10.0f}/s {samples / ort_s:>10.0f}/s "
-                  f"{ort_s / session_s:>6.2f}x {jit_s * 1e3:>8.2f}ms {session_s / jit_s:>6.2f}x")
-    print("targets: 'vs ort' >= 1x at bps >= 16 (higher is better); 'vs jit' <= 1.05x")
-    training(args.repeat)
+    load = os.getloadavg()
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores,"
+          f" load {load[0]:.2f}; jax {jax.__version__} on {jax.devices()[0].platform}; "
+          f"onnxruntime {ort.__version__}")
+    sections = {"inference": lambda: inference(args.repeat),
+                "training": lambda: training(args.repeat),
+                "accumulation": lambda: accumulation(args.repeat), "memory": memory,
+                "replication": lambda: replication(args.repeat), "cache": cache}
+    for name in args.only.split(","):
+        sections[name]()
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

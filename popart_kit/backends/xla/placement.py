@@ -136,10 +136,13 @@ class Placement:
                              out_specs=specs(out_axes),
                              check_vma=False)  # replicas are independent but for the psum
 
-    def put(self, arrays: Mapping[str, np.ndarray], axes: Mapping[str, int | None]) -> dict:
-        """Host arrays onto the devices in one transfer (``axes``: each one's replica axis)."""
+    def put(self, arrays: Mapping[str, np.ndarray], axes: Mapping[str, int | None],
+            resident: bool = False) -> dict:
+        """Host arrays onto the devices in one transfer (``axes``: each one's replica axis).
+        On one device the arrays stay on the host unless ``resident``: the program call that
+        takes them transfers them itself, which costs less than a transfer of its own."""
         if not self.several:
-            return jax.device_put(dict(arrays), self.devices[0])
+            return jax.device_put(dict(arrays), self.devices[0]) if resident else dict(arrays)
         return jax.device_put(dict(arrays), {k: self.split(axes[k]) for k in arrays})
 
     def put_everywhere(self, tree: Any) -> Any:
@@ -155,7 +158,9 @@ class Placement:
 
     @staticmethod
     def fetch(tree: Any) -> Any:
-        """Device results as writable host arrays, in one fetch (copied only where the host
-        array would be a read-only view of a device buffer)."""
-        return jax.tree.map(lambda a: a if a.flags.writeable else a.copy(),
-                            jax.device_get(tree))
+        """Device results as writable host arrays (one copy each)."""
+        leaves, structure = jax.tree.flatten(tree)
+        if len(leaves) > 1:
+            for leaf in leaves:
+                leaf.copy_to_host_async()  # all transfers start before the first is awaited
+        return jax.tree.unflatten(structure, [np.array(leaf) for leaf in leaves])

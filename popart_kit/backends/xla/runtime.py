@@ -29,7 +29,7 @@ from .anchors import AnchorBuffers, chunk_size
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
 from .placement import Placement, ensure_host_devices
-from .steps import CHUNK_BYTES, loop, loops_on_host, vmap
+from .steps import chunk_bytes, loop, loops_on_host, vmap
 
 __all__ = ["XlaBackend"]
 
@@ -38,7 +38,7 @@ class XlaBackend:
     """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics.
 
     ``micro_batches_per_chunk`` overrides how many micro-batches are evaluated at once (by
-    default as many as keep a chunk's activations under ``steps.CHUNK_BYTES``)."""
+    default as many as keep a chunk's activations under ``steps.chunk_bytes``)."""
 
     name = "xla"
 
@@ -65,11 +65,13 @@ class XlaBackend:
                                      config.batches_per_step, config.accumulation.factor,
                                      config.replication.local_factor)
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
+        self._anchor_shapes = {name: self.io.anchor_shape(name) for name in self.anchors}
         self.on_host = loops_on_host(model, self.placement.platform, self.placement.several)
         self._lock = threading.RLock()
         self._weights = self.placement.put_everywhere(
             {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
         self._program: Any = None
+        self.memory: dict[str, int] = {}  # the step's memory by part, once prepared
 
     # -- what the backend refuses -----------------------------------------------------------------
 
@@ -122,7 +124,7 @@ class XlaBackend:
     def _chunk(self, inputs: Mapping[str, TensorSpec], requested: int | None) -> int:
         if requested is None:
             per_micro_batch = self._activation_bytes(inputs) * self.placement.per_device
-            requested = max(1, CHUNK_BYTES // max(per_micro_batch, 1))
+            requested = max(1, chunk_bytes(self.placement.platform) // max(per_micro_batch, 1))
         return chunk_size(self._chunk_limit(), requested, self.buffers.periods)
 
     # -- arguments --------------------------------------------------------------------------------
@@ -225,6 +227,7 @@ class XlaBackend:
                + f", or evaluate fewer micro-batches at once (micro_batches_per_chunk, now "
                  f"{self.chunk}).")
         check_fits(type(self).__name__, parts, self.devices[0], fix, detail)
+        self.memory = parts
 
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
@@ -246,9 +249,10 @@ class XlaBackend:
         self.io.check_inputs(inputs)
         with self._lock:
             self.prepare()
-            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes())
+            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
+                                               resident=self.on_host)
             out = self.placement.fetch(self._execute(device_inputs))
-        return {name: value.reshape(self.io.anchor_shape(name)) for name, value in out.items()}
+        return {name: value.reshape(self._anchor_shapes[name]) for name, value in out.items()}
 
     # -- weights ----------------------------------------------------------------------------------
 

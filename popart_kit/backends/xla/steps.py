@@ -23,13 +23,20 @@ import jax.numpy as jnp
 import onnx
 from jax import lax
 
-__all__ = ["vmap", "loop", "loops_on_host", "LOOP_UNFRIENDLY_ON_CPU", "CHUNK_BYTES"]
+__all__ = ["vmap", "loop", "loops_on_host", "chunk_bytes", "LOOP_UNFRIENDLY_ON_CPU"]
 
 #: Operators XLA:CPU runs several times slower inside a loop body than outside one.
 LOOP_UNFRIENDLY_ON_CPU = frozenset({"Conv", "ConvTranspose", "ConvInteger", "QLinearConv",
                                     "DeformConv"})
-#: A chunk's activations (all replicas of a device) are kept under this many bytes by default.
-CHUNK_BYTES = 8 << 20
+#: A chunk's activations (all replicas of a device) are kept under this many bytes by default:
+#: on CPU about a cache's worth (beyond it, vectorising more micro-batches ran slower), on an
+#: accelerator enough to keep it busy.
+CHUNK_BYTES = {"cpu": 8 << 20}
+ACCELERATOR_CHUNK_BYTES = 1 << 30
+
+
+def chunk_bytes(platform: str) -> int:
+    return CHUNK_BYTES.get(platform, ACCELERATOR_CHUNK_BYTES)
 
 
 def loops_on_host(model: onnx.ModelProto, platform: str, several_devices: bool) -> bool:

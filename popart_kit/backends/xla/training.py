@@ -130,21 +130,15 @@ class XlaTrainingBackend(XlaBackend):
         return 2 * super()._activation_bytes(inputs)  # the backward pass keeps as much again
 
     def _work(self) -> dict[str, Any]:
-        """What a step carries besides the weights: the gradient accumulator, the anchor
-        buffers and the finiteness flags (one row per update: loss, then each gradient)."""
-        trained = {k: jnp.zeros(self.graph.weights[k].shape,
-                                jax.dtypes.canonicalize_dtype(self.graph.weights[k].dtype))
-                   for k in self.trained}
-        return {"grads": trained, "loss_finite": jnp.bool_(True),
-                "buffers": self.buffers.init(self.placement.per_device),
-                "flags": jnp.ones((self.config.batches_per_step, 1 + len(self.trained)), bool)}
+        """What a step carries besides the weights: the anchor buffers and, per update,
+        whether every micro-batch's loss was finite."""
+        return {"buffers": self.buffers.init(self.placement.per_device),
+                "losses_finite": jnp.ones((self.config.batches_per_step,), bool)}
 
-    def _work_shapes(self) -> Any:
-        return jax.eval_shape(self._work)
-
-    def _chunk_step(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any,
-                    index: Any) -> Any:
-        """Accumulate the gradient of chunk ``index`` of update ``update``."""
+    def _chunk_grads(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any,
+                     index: Any) -> tuple[dict[str, jax.Array], Any]:
+        """The gradient of chunk ``index`` of update ``update`` (summed over its micro-batches
+        and this device's replicas), with its anchors written into ``work``."""
         weights, _ = state
         start = update * self.config.accumulation.factor + index * self.chunk
         wanted = list(dict.fromkeys([self.loss, *self.anchors]))
@@ -157,47 +151,78 @@ class XlaTrainingBackend(XlaBackend):
             return jnp.sum(values[self.loss]) * scale, values
 
         grads, values = jax.grad(loss_of, has_aux=True)({n: weights[n] for n in self.trained})
-        out = dict(work)
-        out["grads"] = {n: work["grads"][n] + grads[n] for n in self.trained}
+        out = {"buffers": self.buffers.write(work["buffers"],
+                                             {n: values[n] for n in self.anchors}, start),
+               "losses_finite": work["losses_finite"]}
         if self.check_finite:
-            out["loss_finite"] = work["loss_finite"] & jnp.isfinite(values[self.loss]).all()
-        out["buffers"] = self.buffers.write(work["buffers"],
-                                            {n: values[n] for n in self.anchors}, start)
-        return out
+            finite = jnp.isfinite(values[self.loss]).all()
+            out["losses_finite"] = work["losses_finite"].at[update].set(
+                work["losses_finite"][update] & finite)
+        return grads, out
 
-    def _update_step(self, state: Any, work: Any, hyper: Any, update: Any) -> Any:
-        """Reduce the accumulated gradient over the replicas and apply the optimizer."""
+    def _apply(self, state: Any, grads: Any, hyper: Any) -> Any:
+        """Reduce an update's gradient over the replicas (once) and apply the optimizer."""
         weights, opt_state = state
-        grads = work["grads"]
-        loss_finite = work["loss_finite"]
         if self.placement.several:
             grads = jax.lax.psum(grads, REPLICA)
-            loss_finite = jax.lax.psum((~loss_finite).astype(jnp.int32), REPLICA) == 0
         if self.config.accumulation.reduction == "mean":
             scale = self.config.accumulation.factor * self.config.replication.local_factor
             grads = {n: g / scale for n, g in grads.items()}
-        out = dict(work)
-        if self.check_finite:
-            row = jnp.stack([loss_finite] + [jnp.isfinite(grads[n]).all()
-                                             for n in self.trained])
-            out["flags"] = work["flags"].at[update].set(row)
         trained = {n: weights[n] for n in self.trained}
         new_trained, opt_state = self.optimizer.apply(hyper, trained, grads, opt_state)
-        out["grads"] = jax.tree.map(jnp.zeros_like, work["grads"])
-        out["loss_finite"] = jnp.bool_(True)
-        return ({**weights, **new_trained}, opt_state), out
+        return {**weights, **new_trained}, opt_state
 
     def _update(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any) -> Any:
-        accumulation = self.config.accumulation.factor
-        work = loop(accumulation // self.chunk,
-                    lambda k, w: self._chunk_step(state, w, hyper, inputs, update, k), work)
-        return self._update_step(state, work, hyper, update)
+        """One weight update inside the program: the first chunk's gradient starts the
+        accumulator (no zeroed buffer when one chunk is the whole update)."""
+        grads, work = self._chunk_grads(state, work, hyper, inputs, update, 0)
+
+        def more(k: Any, carry: Any) -> Any:
+            total, w = carry
+            g, w = self._chunk_grads(state, w, hyper, inputs, update, k)
+            return jax.tree.map(jnp.add, total, g), w
+
+        chunks = self.config.accumulation.factor // self.chunk
+        if chunks > 1:
+            grads, work = jax.lax.fori_loop(1, chunks, more, (grads, work))
+        return self._apply(state, grads, hyper), work
 
     def _whole_step(self, state: Any, hyper: Any, inputs: Any) -> Any:
         state, work = loop(self.config.batches_per_step,
                            lambda u, c: self._update(c[0], c[1], hyper, inputs, u),
                            (state, self._work()))
-        return state, work["buffers"], work["flags"]
+        return state, work["buffers"], self._finite(state, work)
+
+    def _finite(self, state: Any, work: Any) -> Any:
+        """Whether each update's losses were finite, and each trained weight ends finite (a
+        non-finite gradient or update leaves its weight non-finite for good: NaN and Inf do
+        not become finite again in any optimizer's update)."""
+        if not self.check_finite:
+            return jnp.ones((), bool)
+        weights, _ = state
+        ends = jnp.stack([jnp.isfinite(weights[n]).all() for n in self.trained])
+        if self.placement.several:  # every device holds the same: agree on it explicitly
+            ends = jax.lax.pmin(ends.astype(jnp.int32), REPLICA).astype(bool)
+            losses = jax.lax.pmin(work["losses_finite"].astype(jnp.int32), REPLICA)
+            return jnp.concatenate([losses.astype(bool), ends])
+        return jnp.concatenate([work["losses_finite"], ends])
+
+    # -- the host driver (see .steps): chunk and update programs called in turn ------------------
+
+    def _host_init(self) -> Any:
+        grads = {k: jnp.zeros(self.graph.weights[k].shape,
+                              jax.dtypes.canonicalize_dtype(self.graph.weights[k].dtype))
+                 for k in self.trained}
+        return {**self._work(), "grads": grads}
+
+    def _host_chunk(self, state: Any, work: Any, hyper: Any, inputs: Any, update: Any,
+                    index: Any) -> Any:
+        grads, out = self._chunk_grads(state, work, hyper, inputs, update, index)
+        return {**out, "grads": jax.tree.map(jnp.add, work["grads"], grads)}
+
+    def _host_update(self, state: Any, work: Any, hyper: Any) -> Any:
+        state = self._apply(state, work["grads"], hyper)
+        return state, {**work, "grads": jax.tree.map(jnp.zeros_like, work["grads"])}
 
     def _compile(self) -> list[Any]:
         state = (self._weights, self._opt_state)
@@ -208,26 +233,27 @@ class XlaTrainingBackend(XlaBackend):
                 (None, self.buffers.replica_axes(), None)))
             return [program.lower(state, self._hyper, inputs).compile()]
         index = jax.ShapeDtypeStruct((), jnp.int32)
-        work = self._work_shapes()
-        init = jax.jit(self._work).lower().compile()
-        chunk = jax.jit(self._chunk_step, donate_argnums=(1,)).lower(
+        work = jax.eval_shape(self._host_init)
+        init = jax.jit(self._host_init).lower().compile()
+        chunk = jax.jit(self._host_chunk, donate_argnums=(1,)).lower(
             state, work, self._hyper, inputs, index, index).compile()
-        update = jax.jit(self._update_step, donate_argnums=(1,)).lower(
-            state, work, self._hyper, index).compile()
-        return [init, chunk, update]
+        update = jax.jit(self._host_update, donate_argnums=(1,)).lower(
+            state, work, self._hyper).compile()
+        finite = jax.jit(self._finite).lower(state, work).compile()
+        return [init, chunk, update, finite]
 
     def _execute(self, inputs: Mapping[str, jax.Array]) -> Any:
         state = (self._weights, self._opt_state)
         if not self.on_host:
             return self._program[0](state, self._hyper, inputs)
-        init, chunk, update = self._program
+        init, chunk, update, finite = self._program
         work = init()
         chunks = self._indices[:self.config.accumulation.factor // self.chunk]
         for u in self._indices[:self.config.batches_per_step]:
             for k in chunks:
                 work = chunk(state, work, self._hyper, inputs, u, k)
-            state, work = update(state, work, self._hyper, u)
-        return state, work["buffers"], work["flags"]
+            state, work = update(state, work, self._hyper)
+        return state, work["buffers"], finite(state, work)
 
     def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
         parts, detail = super()._memory_parts(temporaries)
@@ -244,27 +270,34 @@ class XlaTrainingBackend(XlaBackend):
         self.io.check_inputs(inputs)
         with self._lock:
             self.prepare()
-            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes())
+            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
+                                               resident=self.on_host)
             state, buffers, flags = self._execute(device_inputs)
             out, flags = self.placement.fetch((buffers, flags))
-            if self.check_finite and not flags.all():
+            if not flags.all():
                 self._refuse_non_finite(flags)
-            anchors = {name: value.reshape(self.io.anchor_shape(name))
+            anchors = {name: value.reshape(self._anchor_shapes[name])
                        for name, value in out.items()}
             # the commit: one assignment, after everything that can fail
             self._weights, self._opt_state = state
         return anchors
 
     def _refuse_non_finite(self, flags: np.ndarray) -> None:
-        update = int(np.argmin(flags.all(axis=1)))
-        names = ["the loss"] + [f"the gradient of {n!r}" for n in self.trained]
-        bad = [names[i] for i in np.flatnonzero(~flags[update])]
-        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        updates = self.config.batches_per_step
+        losses, weights = flags[:updates], flags[updates:]
+        found = []
+        if not losses.all():
+            first = int(np.argmin(losses))
+            found.append(f"the loss of weight update {first} (of {updates})")
+        bad = [repr(n) for n, ok in zip(self.trained, weights, strict=True) if not ok]
+        if bad:
+            shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+            found.append(f"the updated weight(s) {shown} (a non-finite gradient or update)")
         raise NonFiniteUpdate(
-            f"weight update {update} of this run (of {len(flags)}) met NaN or Inf in {shown}; "
-            f"no update of the run was applied: the weights and optimizer state are as before "
-            f"the run. Fix: look for NaN/Inf or extreme values in this run's inputs, lower the "
-            f"learning rate or the loss scaling; check_finite=False skips this check.")
+            f"this run met NaN or Inf in {' and in '.join(found)}; no update of the run was "
+            f"applied: the weights and optimizer state are as before the run. Fix: look for "
+            f"NaN/Inf or extreme values in this run's inputs, lower the learning rate or the "
+            f"loss scaling; check_finite=False skips this check.")
 
     def set_random_seed(self, seed: int) -> None:
         """The xla backend runs no random operators (Dropout in training is refused when the
