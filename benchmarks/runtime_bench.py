@@ -166,8 +166,8 @@ def inference(repeat: int) -> None:
             micro = inputs["x"].reshape((bps,) + sess.io.inputs["x"].shape)
             t = interleaved(
                 repeat, session=functools.partial(sess.run, inputs),
-                ort=lambda m=micro: [ort_session.run(None, {"x": v}) for v in m],
-                jit=lambda m=micro: np.asarray(program(device_w, m)))
+                ort=lambda m=micro, o=ort_session: [o.run(None, {"x": v}) for v in m],
+                jit=lambda m=micro, p=program, w=device_w: np.asarray(p(w, m)))
             samples = bps * MICRO_BATCH
             print(f"{name:<10} {bps:>4} {samples / t['session']:>9.0f}/s "
                   f"{samples / t['ort']:>10.0f}/s {t['ort'] / t['session']:>6.2f}x "
@@ -195,7 +195,7 @@ def training(repeat: int) -> None:
         ys = inputs["label"].reshape(bps, MICRO_BATCH)
         device_w = tuple(jnp.asarray(w) for w in weights)
         t = interleaved(repeat, session=functools.partial(sess.run, inputs),
-                        jit=lambda xs=xs, ys=ys: ready(program(device_w, xs, ys)))
+                        jit=lambda xs=xs, ys=ys, w=device_w: ready(program(w, xs, ys)))
         print(f"{'mlp':<10} {bps:>4} {t['session'] * 1e3:>9.2f}ms {t['jit'] * 1e3:>7.2f}ms "
               f"{t['session'] / t['jit']:>6.2f}x")
     unchecked = pk.TrainingSession(model, training_cfg(16), loss=loss,
@@ -276,16 +276,17 @@ def replication(repeat: int) -> None:
 
 
 def cache() -> None:
-    script = textwrap.dedent("""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
         import time, sys
-        sys.path.insert(0, %r)
+        sys.path.insert(0, {here!r})
         from runtime_bench import mlp, training_cfg
         import popart_kit as pk
         model, _, _, loss = mlp(layers=4, label=True)
         sess = pk.TrainingSession(model, training_cfg(16, 4), loss=loss,
                                   optimizer=pk.Adam(learning_rate=0.01), backend="xla")
         start = time.perf_counter(); sess.prepare(); print(time.perf_counter() - start)
-    """ % os.path.dirname(os.path.abspath(__file__)))
+    """)
     with tempfile.TemporaryDirectory() as directory:
         times = {}
         for label, setting in (("off", "off"), ("first", directory), ("second", directory)):
@@ -305,6 +306,7 @@ def main() -> None:
                                            "replication,cache")
     args = parser.parse_args()
     warnings.simplefilter("ignore", pk.PopartKitWarning)
+    placement.ensure_host_devices()  # before anything starts JAX, as a session would
     load = os.getloadavg()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores,"
           f" load {load[0]:.2f}; jax {jax.__version__} on {jax.devices()[0].platform}; "

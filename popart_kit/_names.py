@@ -23,6 +23,10 @@ SELECTION = {"first": "First", "random": "Random"}
 TARGET = {"ipu": "Ipu", "ipu_model": "IpuModel", "cpu": "Cpu", "offline": "OfflineIpu"}
 PARTIALS = {"float": "float", "half": "half"}
 
+#: PopART's reserved prefix of gradient tensors (popart.reservedGradientPrefix()): anchoring
+#: GRADIENT_PREFIX + name returns the gradient of the loss with respect to ``name``.
+GRADIENT_PREFIX = "Gradient___"
+
 # PopART enum class behind each table, for the contract tests and error messages.
 POPART_ENUM = {
     "VirtualGraphMode": VIRTUAL_GRAPH_MODE,

@@ -144,3 +144,15 @@ class TrainingSession(_Session):
     def set_random_seed(self, seed: int) -> None:
         """Seed the session's random operators (the same seed gives the same run)."""
         self._backend.set_random_seed(seed)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state as host arrays: ``{}`` for SGD without momentum,
+        ``{"velocity": {weight: array}}`` with momentum (kept as PopART keeps it: scaled by the
+        velocity scaling, and with Combined already holding the next step's terms), and
+        ``{"step": array, "m": {weight: array}, "v": {weight: array}}`` for Adam."""
+        state = getattr(self._backend, "optimizer_state", None)
+        if state is None:
+            raise ValueError(f"the {self.backend} backend does not hand out the optimizer "
+                             f"state. Fix: read it with PopART's own readWeights/modelToHost "
+                             f"under its reserved names (Accl___, Accl1___, ...).")
+        return state()

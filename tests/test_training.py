@@ -366,3 +366,64 @@ def test_prepare_compiles_the_training_step():
     sess.set_learning_rate(0.5)
     sess.run({"x": x, "label": y})
     assert sess._backend._program is compiled  # one compiled executable throughout
+
+
+# -- gradient anchors and optimizer state -----------------------------------------------------
+
+
+def test_gradient_anchors_are_per_micro_batch_gradients_of_the_loss():
+    bps, acc, local, micro = 2, 2, 2, 4
+    x, y = data(bps * acc * local * micro)
+    model, loss, probs = classifier(micro)
+    g = "Gradient___"
+    cfg = pk.SessionConfig(mode="training", batches_per_step=bps, replication={
+        "local_factor": local}, accumulation={"factor": acc}, device={"target": "offline"})
+    sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(learning_rate=1e-30),
+                              anchors={g + "x": "All", g + "w1": "All", g + probs: "Final",
+                                       g + loss: "Sum"}, backend="xla")
+    assert sess.io.anchor_shape(g + "w1") == (bps, acc, local, 6, 8)
+    out = sess.run({"x": x.reshape(sess.io.input_shape("x")),
+                    "label": y.reshape(sess.io.input_shape("label"))})
+
+    import jax
+    import jax.numpy as jnp
+
+    def micro_loss(w1, x, probs_offset, y):
+        probs = jax.nn.softmax(jnp.maximum(x @ w1, 0) @ W2, axis=1) + probs_offset
+        return -jnp.log(probs[jnp.arange(micro), y]).mean()
+
+    xs = x.reshape(bps, acc, local, micro, 6)
+    ys = y.reshape(bps, acc, local, micro)
+    grad = jax.vmap(jax.grad(micro_loss, argnums=(0, 1, 2)), in_axes=(None, 0, None, 0))
+    gw, gx, gp = (np.asarray(a).reshape((bps, acc, local) + a.shape[1:]) for a in grad(
+        W1, xs.reshape(-1, micro, 6), np.zeros((micro, 3), np.float32), ys.reshape(-1, micro)))
+    np.testing.assert_allclose(out[g + "w1"], gw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out[g + "x"], gx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out[g + probs], gp[-1, -1], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out[g + loss], np.full(local, bps * acc), rtol=1e-6)
+
+
+def test_gradient_anchors_of_integers_and_unknown_tensors_are_refused():
+    model, loss, _ = classifier(4)
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    with pytest.raises(ValueError, match="'label' is int32: it has no gradient"):
+        pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(0.1), backend="xla",
+                           anchors={"Gradient___label": "All"})
+    with pytest.raises(ValueError, match="'Gradient___nope' is not a tensor of the model"):
+        pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(0.1), backend="xla",
+                           anchors={"Gradient___nope": "All"})
+
+
+@pytest.mark.parametrize("optimizer, keys", [
+    (pk.SGD(learning_rate=0.1), set()), (pk.SGD(learning_rate=0.1, momentum=0.9), {"velocity"}),
+    (pk.Adam(learning_rate=0.01), {"step", "m", "v"})])
+def test_the_optimizer_state_comes_back_as_host_arrays(optimizer, keys):
+    x, y = data(8)
+    _, _, sess = train(8, x=x, y=y, optimizer=optimizer)
+    state = sess.optimizer_state()
+    assert set(state) == keys
+    if "velocity" in state:
+        assert set(state["velocity"]) == {"w1", "w2"}
+        assert isinstance(state["velocity"]["w1"], np.ndarray)
+    if "step" in state:
+        assert float(state["step"]) == 1.0

@@ -85,6 +85,10 @@ class LoweredGraph:
         self.tensors: set[str] = {*inputs, *weights, *constants, *known, *self._producer}
         self._plans: dict[tuple[str, ...], list[_Node]] = {}
 
+    def is_constant(self, name: str) -> bool:
+        """Whether ``name`` was folded into a compile-time value when the model was lowered."""
+        return name in self._known
+
     @property
     def trainable(self) -> list[str]:
         """The floating-point weights (integer and boolean ones cannot take gradients)."""
@@ -109,24 +113,32 @@ class LoweredGraph:
         return self._plans[wanted]
 
     def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
-                 wanted: Sequence[str]) -> dict[str, jax.Array]:
+                 wanted: Sequence[str],
+                 offsets: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """The ``wanted`` tensors, computed from ``inputs`` and ``weights`` (a weight missing
-        from ``weights`` takes its value from the model). Pure: trace it with ``jax.jit``,
+        from ``weights`` takes its value from the model). ``offsets`` are added to the named
+        tensors where they come into being (zeros there make the gradient with respect to any
+        tensor a gradient with respect to its offset). Pure: trace it with ``jax.jit``,
         ``jax.vmap`` or ``jax.grad``."""
-        plan = self._plan(tuple(wanted))
+        plan = self._plan(tuple(wanted) + tuple(offsets or ()))
+        offsets = offsets or {}
+
+        def shifted(name: str, value: Any) -> Any:
+            return value + offsets[name] if name in offsets else value
+
         env: dict[str, Any] = dict(self._known)
         for node in plan:
             for name in node.inputs:
                 if not name or name in env:
                     continue
                 if name in self.weights:
-                    env[name] = jnp.asarray(weights[name] if name in weights
-                                            else self.weights[name])
+                    env[name] = shifted(name, jnp.asarray(weights[name] if name in weights
+                                                          else self.weights[name]))
                 elif name in self.inputs:
                     if name not in inputs:
                         raise KeyError(f"input {name!r} is missing; the model's inputs are "
                                        f"{list(self.inputs)}.")
-                    env[name] = jnp.asarray(inputs[name])
+                    env[name] = shifted(name, jnp.asarray(inputs[name]))
             args = [env[name] if name else None for name in node.inputs]
             if node.static:
                 with jax.ensure_compile_time_eval():
@@ -138,14 +150,14 @@ class LoweredGraph:
             if missing:
                 raise NotSupported(f"{node.label} ({node.ctx.op_type}): outputs {missing} are "
                                    f"not computed by the xla backend")
-            env.update((name, value) for name, value in zip(node.outputs, results, strict=False)
-                       if name)
+            env.update((name, shifted(name, value))
+                       for name, value in zip(node.outputs, results, strict=False) if name)
         out = {}
         for name in wanted:
             value = env.get(name)
             if value is None:  # an input or weight nobody consumes
-                value = (weights.get(name, self.weights.get(name)) if name in self.weights
-                         else inputs[name])
+                value = shifted(name, weights.get(name, self.weights.get(name))
+                                if name in self.weights else inputs[name])
             out[name] = jnp.asarray(value)
         return out
 

@@ -53,7 +53,9 @@ class XlaBackend:
         broadcast = broadcast_inputs(model)
         inputs = {name: TensorSpec(shape, dtype, name in broadcast)
                   for name, (shape, dtype) in self.graph.inputs.items()}
-        found = self._shapes(inputs, list(self.anchors))
+        tensors = {name: self._anchor_tensor(name) for name in self.anchors}
+        shapes = self._shapes(inputs, list(dict.fromkeys(tensors.values())))
+        found = {name: shapes[tensor] for name, tensor in tensors.items()}
         self.io = StepIOFactory(config, inputs=inputs, anchors={
             name: (TensorSpec(found[name].shape, found[name].dtype), art)
             for name, art in self.anchors.items()})
@@ -80,7 +82,7 @@ class XlaBackend:
         """What this backend cannot run, all at once, before anything compiles."""
         out = [Problem(("anchors", a), f"anchor {a!r} is not a tensor of the model.",
                        "anchor an input, a weight or a node output.", "K-anchor-unknown")
-               for a in anchors if a not in self.graph.tensors]
+               for a in anchors if self._anchor_tensor(a) not in self.graph.tensors]
         for name, (shape, _) in self.graph.inputs.items():
             if shape is None or any(not isinstance(d, int) for d in shape):
                 out.append(Problem(("inputs", name), f"input {name!r} has shape {shape}: a "
@@ -98,6 +100,10 @@ class XlaBackend:
                                "give a count of 1 or more, or None for the default.",
                                "K-chunk"))
         return out
+
+    def _anchor_tensor(self, anchor: str) -> str:
+        """The tensor whose shape and dtype an anchor has (itself, for inference)."""
+        return anchor
 
     # -- shapes and chunks -----------------------------------------------------------------------
 
@@ -158,17 +164,19 @@ class XlaBackend:
                 for k, v in inputs.items()}
 
     def _evaluate_chunk(self, weights: Mapping[str, jax.Array], inputs: Mapping[str, Any],
-                        start: Any, wanted: list[str]) -> dict[str, jax.Array]:
-        """``wanted`` tensors of the chunk of micro-batches from ``start``: [c, Rb, *S]."""
+                        start: Any, wanted: list[str],
+                        offsets: Mapping[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+        """``wanted`` tensors of the chunk of micro-batches from ``start``: [c, Rb, *S];
+        ``offsets`` ([c, Rb, *S] each) are added to their tensors (see LoweredGraph.evaluate)."""
         chunk = self._slice(inputs, start)
         streams = {k: v for k, v in chunk.items() if not self.io.inputs[k].broadcast}
         fixed = {k: v for k, v in chunk.items() if self.io.inputs[k].broadcast}
 
-        def micro_batch(s: Any, f: Any) -> Any:
-            return vmap(lambda x: self.graph.evaluate(weights, {**x, **f}, wanted),
-                        self.placement.per_device, (0,))(s)
+        def micro_batch(s: Any, f: Any, o: Any) -> Any:
+            return vmap(lambda x, d: self.graph.evaluate(weights, {**x, **f}, wanted, d),
+                        self.placement.per_device, (0, 0))(s, o)
 
-        return vmap(micro_batch, self.chunk, (0, 0))(streams, fixed)
+        return vmap(micro_batch, self.chunk, (0, 0, 0))(streams, fixed, dict(offsets or {}))
 
     # -- the program --------------------------------------------------------------------------
 

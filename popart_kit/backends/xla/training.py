@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
+from ..._names import GRADIENT_PREFIX
 from ..._problems import Problem, raise_errors
 from ...shapes import AnchorReturnType
 from .placement import REPLICA
@@ -39,7 +40,10 @@ class XlaTrainingBackend(XlaBackend):
     """Training steps of a model whose ``loss`` tensor is minimised by ``optimizer``.
 
     ``check_finite`` (default True) refuses a run whose loss or gradients are not finite
-    (NaN or Inf) and keeps the weights as they were; False skips the check."""
+    (NaN or Inf) and keeps the weights as they were; False skips the check. An anchor named
+    PopART's gradient prefix + a tensor (``"Gradient___w"``) returns the gradient of the
+    micro-batch's (scaled) loss with respect to that tensor - an input, a weight, an activation
+    or the loss - per micro-batch and replica, before any reduction, as PopART does."""
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType], loss: str, optimizer: Any,
@@ -61,7 +65,7 @@ class XlaTrainingBackend(XlaBackend):
                 f"reduced across processes, which the xla backend does not do yet.",
                 "train one instance (no global_factor), or use the popart backend under "
                 "poprun.", "K-xla-distributed"))
-        problems += self._dropout_problems()
+        problems += self._dropout_problems() + self._gradient_problems()
         if loss not in self.graph.tensors:
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
@@ -104,6 +108,31 @@ class XlaTrainingBackend(XlaBackend):
                                    "popart backend.", "K-xla-dropout"))
         return out
 
+    def _anchor_tensor(self, anchor: str) -> str:
+        if anchor.startswith(GRADIENT_PREFIX):
+            return anchor[len(GRADIENT_PREFIX):]
+        return anchor
+
+    @property
+    def gradient_anchors(self) -> dict[str, str]:
+        """{anchor: tensor} of the gradient anchors."""
+        return {a: self._anchor_tensor(a) for a in self.anchors if a.startswith(GRADIENT_PREFIX)}
+
+    def _gradient_problems(self) -> list[Problem]:
+        out = []
+        for anchor, tensor in self.gradient_anchors.items():
+            spec = self.io.anchors[anchor][0]
+            if not np.issubdtype(spec.dtype, np.floating):
+                out.append(Problem(("anchors", anchor), f"{tensor!r} is {spec.dtype}: it has no "
+                                   f"gradient.", "anchor the gradient of a floating-point "
+                                   "tensor.", "K-gradient-dtype"))
+            elif self.graph.is_constant(tensor):
+                out.append(Problem(("anchors", anchor), f"{tensor!r} is a constant of the "
+                                   f"model (folded when it was lowered): nothing flows back to "
+                                   f"it.", "anchor the gradient of an input, a weight or an "
+                                   "activation.", "K-gradient-constant"))
+        return out
+
     def _loss_inputs(self, loss: str) -> set[str]:
         """Every tensor the loss depends on, read back through the graph."""
         producer = {o: n for n in self.model.graph.node for o in n.output}
@@ -141,16 +170,25 @@ class XlaTrainingBackend(XlaBackend):
         and this device's replicas), with its anchors written into ``work``."""
         weights, _ = state
         start = update * self.config.accumulation.factor + index * self.chunk
-        wanted = list(dict.fromkeys([self.loss, *self.anchors]))
+        gradients = self.gradient_anchors
+        wanted = list(dict.fromkeys([self.loss, *(a for a in self.anchors
+                                                 if a not in gradients)]))
+        lead = (self.chunk, self.placement.per_device)
+        probes = {tensor: jnp.zeros(lead + self.io.anchors[anchor][0].shape,
+                                    self.io.anchors[anchor][0].dtype)
+                  for anchor, tensor in gradients.items()}
 
-        def loss_of(train: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
-            values = self._evaluate_chunk({**weights, **train}, inputs, start, wanted)
+        def loss_of(train: Mapping[str, jax.Array],
+                    probes: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
+            values = self._evaluate_chunk({**weights, **train}, inputs, start, wanted, probes)
             # gradients leave the backward pass scaled by the loss scaling, as in PopART;
             # the optimizer divides it out
             scale = hyper.get("loss_scaling", 1.0)
             return jnp.sum(values[self.loss]) * scale, values
 
-        grads, values = jax.grad(loss_of, has_aux=True)({n: weights[n] for n in self.trained})
+        (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
+            {n: weights[n] for n in self.trained}, probes)
+        values = {**values, **{a: probed[t] for a, t in gradients.items()}}
         out = {"buffers": self.buffers.write(work["buffers"],
                                              {n: values[n] for n in self.anchors}, start),
                "losses_finite": work["losses_finite"]}
@@ -298,6 +336,10 @@ class XlaTrainingBackend(XlaBackend):
             f"applied: the weights and optimizer state are as before the run. Fix: look for "
             f"NaN/Inf or extreme values in this run's inputs, lower the learning rate or the "
             f"loss scaling; check_finite=False skips this check.")
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state as host arrays (see the optimizer's ``init``)."""
+        return self.placement.fetch(self._opt_state)
 
     def set_random_seed(self, seed: int) -> None:
         """The xla backend runs no random operators (Dropout in training is refused when the
