@@ -31,7 +31,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
            "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-           "InvalidData", "short"]
+           "InvalidData", "short", "clip"]
 
 
 class PopartKitError(ValueError):
@@ -152,6 +152,11 @@ def _repr_int(self: reprlib.Repr, x: int, level: int) -> str:
 
 
 _REPR.repr_int = _repr_int.__get__(_REPR)  # type: ignore[method-assign]
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def shortened(value: Any) -> Any:
