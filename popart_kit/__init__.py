@@ -4,6 +4,19 @@ This module is the public surface; everything not in ``__all__`` is internal.
 """
 
 from ._problems import PopartKitWarning
+from .errors import (
+    ConfigError,
+    ConfigTypeError,
+    DataError,
+    DataTypeError,
+    Invalid,
+    InvalidConfig,
+    InvalidData,
+    InvalidModel,
+    ModelError,
+    ModelTypeError,
+    PopartKitError,
+)
 from .builder import (
     Builder,
     BuilderError,
@@ -65,4 +78,15 @@ __all__ = [
     "SGD",
     "Adam",
     "PopartKitWarning",
+    "PopartKitError",
+    "ConfigError",
+    "ModelError",
+    "DataError",
+    "ConfigTypeError",
+    "ModelTypeError",
+    "DataTypeError",
+    "Invalid",
+    "InvalidConfig",
+    "InvalidModel",
+    "InvalidData",
 ]
