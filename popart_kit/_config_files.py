@@ -60,7 +60,10 @@ def read(path: Path, fmt: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise _refuse(path, f"expected a table of settings at the top level, found "
                             f"{type(data).__name__}.", "K-file-top-level")
-    _check_shape(data)
+    try:
+        _check_shape(data)
+    except ConfigError as err:
+        raise _refuse(path, str(err), err.rule or "K-file-depth") from None
     return dict(data)
 
 
@@ -106,7 +109,17 @@ def _json(text: str) -> Any:
 def _yaml(text: str) -> Any:
     import yaml
 
-    loader = yaml.SafeLoader(text)
+    class Loader(yaml.SafeLoader):
+        """Stops scanning at the first flow collection nested deeper than MAX_DEPTH."""
+
+        def fetch_flow_collection_start(self, token_class: Any) -> None:
+            if self.flow_level >= MAX_DEPTH:
+                raise ConfigError(f"nested deeper than {MAX_DEPTH} levels (line "
+                                  f"{self.line + 1}). Fix: a configuration needs a few levels "
+                                  f"of tables.", rule="K-file-depth")
+            super().fetch_flow_collection_start(token_class)
+
+    loader = Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
