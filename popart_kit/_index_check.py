@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from ._problems import Problem, raise_errors
-from .errors import InvalidData, clip
+from .errors import InvalidData, clip, short
 
 __all__ = ["IndexChecks", "IndexRange"]
 
@@ -105,7 +105,7 @@ class IndexChecks:
                     bad = array[(array < _INT32.min) | (array > _INT32.max)]
                     out.append(Problem(
                         ("inputs", name),
-                        f"input {clip(name, 60)!r} holds {bad.size} {array.dtype} value(s) "
+                        f"input {short(name)} holds {bad.size} {array.dtype} value(s) "
                         f"outside int32's range ({_some(bad)}); the tensor is computed as "
                         f"int32, where they would wrap.",
                         f"keep values within {_INT32.min}..{_INT32.max}.", "K-int64-range"))
@@ -124,7 +124,7 @@ class IndexChecks:
                     f" or the ignoreIndex {r.ignore}" if r.ignore is not None else "")
                 out.append(Problem(
                     ("inputs", r.tensor),
-                    f"input {clip(r.tensor, 60)!r} indexes a dimension of size {r.size} in "
+                    f"input {short(r.tensor)} indexes a dimension of size {r.size} in "
                     f"{clip(r.node, 80)}, but {count} value(s) are outside {allowed}: {at}"
                     + (" …" if count > _SHOW else "") + ". Unchecked, they would be clamped and "
                     f"give a wrong result without an error.",

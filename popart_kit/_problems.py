@@ -51,7 +51,7 @@ class Problem:
 
     @property
     def dotted(self) -> str:
-        return self.loc if isinstance(self.loc, str) else ".".join(self.loc)
+        return self.loc if isinstance(self.loc, str) else ".".join(map(str, self.loc))
 
     @property
     def parts(self) -> tuple[str, ...]:

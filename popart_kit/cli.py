@@ -103,7 +103,8 @@ def _check(args: argparse.Namespace) -> int:
     except PopartKitError as exc:
         _report(err, args.model, exc)
         return REFUSED
-    invalid = [(p.dotted, p.text()) for p in model_problems(model) if p.severity == "error"]
+    invalid = [(p.dotted, f"{p.text()} [{p.rule}]") for p in model_problems(model)
+               if p.severity == "error"]
     if invalid:
         _problems(err, f"{args.model} is not a valid ONNX model", invalid)
         return REFUSED

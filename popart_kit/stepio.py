@@ -167,13 +167,26 @@ def _array_problems(kind: str, name: str, array: Any, spec: TensorSpec,
 
 
 def _name_problems(kind: str, given: Iterable[str], known: Mapping[str, Any]) -> list[Problem]:
+    if not isinstance(given, Mapping):
+        return [Problem(kind, f"{kind} must map tensor names to numpy arrays, got "
+                              f"{type(given).__name__}.", "pass a dict.", "K-stepio-type")]
     given = list(given)
+    wrong = [n for n in given if not isinstance(n, str)]
+    if wrong:
+        return [Problem(kind, f"{kind} names must be str, got {short(wrong)}.",
+                        "key the arrays by tensor name.", "K-stepio-type")]
     out = [_problem(kind, n, "is missing.", f"provide every one of {', '.join(known)}.",
                     "K-stepio-missing") for n in known if n not in given]
     out += [_problem(kind, n, f"is not one of this session's {kind} ({', '.join(known)}).",
                      "remove it, or declare it when building the StepIOFactory.",
                      "K-stepio-unknown") for n in given if n not in known]
     return out
+
+
+def _require_mapping(title: str, kind: str, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise DataTypeError(f"{title}: {kind} must map tensor names to numpy arrays, got "
+                            f"{type(value).__name__}. Fix: pass a dict.", rule="K-stepio-type")
 
 
 # The factors are asked for on every check of every run: keep the few combinations computed.
@@ -304,6 +317,7 @@ class StepIOFactory:
     def from_samples(self, samples: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Arrays of one run's micro-batches in PopART's order (batch, then accumulation step,
         then replica, then the tensor) as canonical arrays: views, never copies."""
+        _require_mapping("StepIOFactory.from_samples", "inputs", samples)
         problems = _name_problems("inputs", samples, self.inputs)
         out = {}
         for name, array in samples.items():
@@ -345,6 +359,7 @@ class StepIOFactory:
                      require_all: bool = True) -> None:
         """Refuse (one ValueError listing every problem) inputs PopART would misread or reject:
         missing or unknown names, wrong shape (which axis, and each factor), dtype, layout."""
+        _require_mapping("StepIOFactory.check_inputs", "inputs", arrays)
         problems = _name_problems("inputs", arrays, self.inputs if require_all else {
             n: s for n, s in self.inputs.items() if n in arrays})
         for name, array in arrays.items():
@@ -356,6 +371,7 @@ class StepIOFactory:
 
     def check_anchors(self, arrays: Mapping[str, Any]) -> None:
         """The same for anchor arrays, which must also be writable."""
+        _require_mapping("StepIOFactory.check_anchors", "anchors", arrays)
         problems = _name_problems("anchors", arrays, self.anchors)
         for name, array in arrays.items():
             if name in self.anchors:
@@ -380,6 +396,9 @@ class StepIOFactory:
         A share is copied into fresh memory, or into ``out`` (this instance's arrays, e.g. from
         allocate_inputs) to reuse buffers run after run; a share that is already contiguous is
         returned as a view when no ``out`` is given."""
+        _require_mapping("StepIOFactory.shard", "inputs", global_arrays)
+        if out is not None:
+            _require_mapping("StepIOFactory.shard", "out", out)
         rep = self.config.replication
         total = rep.global_replicas
         problems = _name_problems("inputs", global_arrays, self.inputs)
