@@ -45,8 +45,9 @@ def read(path: Path, fmt: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise _refuse(path, f"is not UTF-8 text (byte {err.start}: {short(raw[err.start:err.start + 4])})."
-                            f" Fix: save it as UTF-8.", "K-file-encoding") from None
+        bad = short(raw[err.start:err.start + 4])
+        raise _refuse(path, f"is not UTF-8 text (byte {err.start}: {bad}). Fix: save it as "
+                            f"UTF-8.", "K-file-encoding") from None
     try:
         data = {"toml": _toml, "yaml": _yaml, "json": _json}[fmt](text)
     except ConfigError as err:

@@ -1,11 +1,11 @@
 """Host checks of integer inputs before a run: indices in range, int64 values that fit int32.
 
 Out-of-range indices do not fail on an accelerator: XLA clamps them and PopART reads whatever
-lies there, so a label of 7 for 3 classes gives a finite loss and a wrong update. :class:`IndexChecks`
-finds, once per model, the graph inputs used directly as indices - the label of PopART's Nll
-(``ai.graphcore``), the indices of Gather, GatherElements and ScatterElements - and the size they
-index (from shape inference), and refuses a run whose arrays hold values outside it, naming the
-tensor, the node and the offending values. The xla backend computes int64 as int32, so int64
+lies there, so a label of 7 for 3 classes gives a finite loss and a wrong update.
+:class:`IndexChecks` finds, once per model, the graph inputs used directly as indices - the
+label of PopART's Nll (``ai.graphcore``), the indices of Gather, GatherElements and
+ScatterElements - and the size they index (from shape inference), and refuses a run whose
+arrays hold values outside it, naming the tensor, the node and the offending values. The xla backend computes int64 as int32, so int64
 values outside int32's range are refused too. Pure: numpy and onnx only.
 """
 
@@ -127,7 +127,7 @@ class IndexChecks:
                     f"input {short(r.tensor)} indexes a dimension of size {r.size} in "
                     f"{clip(r.node, 80)}, but {count} value(s) are outside {allowed}: {at}"
                     + (" …" if count > _SHOW else "") + ". Unchecked, they would be clamped and "
-                    f"give a wrong result without an error.",
+                    "give a wrong result without an error.",
                     f"give indices in {allowed}, or pass check_indices=False to skip this check.",
                     "K-index-range"))
         return out

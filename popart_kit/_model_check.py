@@ -90,9 +90,9 @@ def _graph_problems(model: onnx.ModelProto) -> list[Problem]:
     clashes += [f"{clip(t, 60)} by {p[0]} and the graph" for t, p in producers.items()
                 if len(p) == 1 and t in defined]
     if clashes:
-        out.append(_problem("nodes", f"tensors produced more than once: {'; '.join(clashes[:_SHOW])}"
-                                     + (f" and {len(clashes) - _SHOW} more" if len(clashes) > _SHOW
-                                        else "") + ".",
+        more = f" and {len(clashes) - _SHOW} more" if len(clashes) > _SHOW else ""
+        out.append(_problem("nodes", f"tensors produced more than once: "
+                                     f"{'; '.join(clashes[:_SHOW])}{more}.",
                             "give every node output a name no other node, input or initializer "
                             "uses.", "K-model-duplicate-producer"))
 

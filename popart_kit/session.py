@@ -56,6 +56,13 @@ class _Session:
         self.check_indices = check_indices
         self._indices = IndexChecks.from_model(self.model) if check_indices else None
 
+    def _share_index_sizes(self) -> None:
+        """Let the host-array factory draw random index inputs within the sizes they index."""
+        found = self._indices or IndexChecks.from_model(self.model)
+        sizes = self.io.index_sizes
+        for r in found.ranges:
+            sizes[r.tensor] = min(sizes.get(r.tensor, r.size), r.size)
+
     @property
     def backend(self) -> str:
         return self._backend.name
@@ -118,6 +125,7 @@ class InferenceSession(_Session):
                              "anchors={tensor: 'All'} or add outputs to the model.",
                               rule="K-session-anchors")
         self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart)
+        self._share_index_sizes()
 
 
 class TrainingSession(_Session):
@@ -144,6 +152,7 @@ class TrainingSession(_Session):
                    check_indices)
         self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
             backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer)
+        self._share_index_sizes()
         self.loss, self.optimizer = loss, optimizer
 
     def set_optimizer(self, optimizer: Any) -> None:

@@ -214,6 +214,8 @@ class StepIOFactory:
             raise DataTypeError("StepIOFactory: " + "; ".join(wrong) + ".",
                                 rule="K-stepio-type")
         self.config = config
+        # inputs used as indices: {name: size indexed}; random inputs stay below it
+        self.index_sizes: dict[str, int] = {}
         problems: list[Problem] = []
         self.inputs: dict[str, TensorSpec] = {}
         for name, spec in (inputs or {}).items():
@@ -292,7 +294,8 @@ class StepIOFactory:
     # -- making arrays --------------------------------------------------------------------------
 
     def allocate_inputs(self, fill: str = "zeros", seed: int = 0) -> dict[str, np.ndarray]:
-        """One run's input arrays, zeros or random (normal floats, small ints, random bools)."""
+        """One run's input arrays, zeros or random (normal floats, small ints - below the size
+        they index for index inputs - random bools)."""
         if fill not in ("zeros", "random"):
             raise DataError(f"fill={fill!r}: use 'zeros' or 'random'.")
         rng = np.random.default_rng(seed)
@@ -304,7 +307,8 @@ class StepIOFactory:
             elif spec.dtype == np.bool_:
                 out[name] = rng.integers(0, 2, shape).astype(np.bool_)
             elif np.issubdtype(spec.dtype, np.integer):
-                out[name] = rng.integers(0, 10, shape).astype(spec.dtype)
+                high = min(10, self.index_sizes.get(name, 10))
+                out[name] = rng.integers(0, max(high, 1), shape).astype(spec.dtype)
             else:
                 out[name] = rng.standard_normal(shape).astype(spec.dtype)
         return out
@@ -658,7 +662,8 @@ def _cast_exactly(name: str, block: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return block
     if not np.can_cast(block.dtype, dtype, "same_kind"):
         raise DataError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
-                        f"without changing values (a change of kind). Fix: yield samples of dtype {dtype}.",
+                        f"without changing values (a change of kind). Fix: yield samples of "
+                        f"dtype {dtype}.",
                         rule="K-stepio-cast")
     with np.errstate(over="ignore", invalid="ignore"):
         converted = block.astype(dtype)
@@ -670,6 +675,7 @@ def _cast_exactly(name: str, block: np.ndarray, dtype: np.dtype) -> np.ndarray:
         bad = block[changed]
         raise DataError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
                         f"without changing values: {bad.size} would change "
-                        f"({short(bad.ravel()[:5].tolist())}). Fix: yield samples of dtype {dtype} within its range.",
+                        f"({short(bad.ravel()[:5].tolist())}). Fix: yield samples of dtype "
+                        f"{dtype} within its range.",
                         rule="K-stepio-cast")
     return converted

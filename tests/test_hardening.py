@@ -66,9 +66,9 @@ def test_offset_suggestions_are_few():
 
 def test_everyn_suggestions_are_few():
     cfg = pk.SessionConfig(mode="inference", batches_per_step=2**30)
-    with within():
-        with pytest.raises(pk.InvalidData, match=r"one of \[1, 2, 4, 8, 16, 32, 64, …, 1073741824\]"):
-            pk.StepIOFactory(cfg, anchors={"y": ((2,), ("EveryN", 3))})
+    with within(), pytest.raises(pk.InvalidData,
+                                 match=r"one of \[1, 2, 4, 8, 16, 32, 64, …, 1073741824\]"):
+        pk.StepIOFactory(cfg, anchors={"y": ((2,), ("EveryN", 3))})
 
 
 def test_plan_and_device_request_do_not_grow_with_the_global_replica_count():
@@ -99,7 +99,7 @@ def test_a_huge_pipeline_stage_is_refused_quickly():
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
-    for p, c in zip("abcdefgh", "bcdefghi"))
+    for p, c in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 def test_a_yaml_bomb_is_refused(tmp_path):
@@ -114,8 +114,7 @@ def test_deep_nesting_is_refused(tmp_path):
     for suffix, text in ((".json", "[" * 100_000 + "]" * 100_000),
                          (".yaml", "[" * 100_000 + "]" * 100_000),
                          (".json", json.dumps({"mode": "inference", "popart_options": {
-                             "engineOptions": {"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}})),
-                         ):
+                             "engineOptions": {"a": json.loads("[" * 40 + "]" * 40)}}}))):
         path = tmp_path / f"deep{suffix}"
         path.write_text(text)
         err = refused(pk.ConfigError, pk.SessionConfig.from_file, path)
