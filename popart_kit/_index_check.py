@@ -5,8 +5,9 @@ lies there, so a label of 7 for 3 classes gives a finite loss and a wrong update
 :class:`IndexChecks` finds, once per model, the graph inputs used directly as indices - the
 label of PopART's Nll (``ai.graphcore``), the indices of Gather, GatherElements and
 ScatterElements - and the size they index (from shape inference), and refuses a run whose
-arrays hold values outside it, naming the tensor, the node and the offending values. The xla backend computes int64 as int32, so int64
-values outside int32's range are refused too. Pure: numpy and onnx only.
+arrays hold values outside it, naming the tensor, the node and the offending values. The xla
+backend computes int64 as int32, so int64 values outside int32's range are refused too.
+Pure: numpy and onnx only.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
 from ._arith import bubble_fraction, next_power_of_two, pipeline_depth, pipeline_fill_micro_batches
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import SessionConfig
@@ -93,7 +94,7 @@ def sync_groups(pattern: str, num_ipus: int) -> dict[str, list[list[int]]]:
     if pattern == "replica_and_ladder":
         rails = [list(range(0, num_ipus, 2)), list(range(1, num_ipus, 2))]
         return {"GS1": [r for r in rails if r], "GS2": everyone}
-    raise ValueError(f"unknown sync pattern {pattern!r}; use full, single_pipeline or "
+    raise ConfigError(f"unknown sync pattern {pattern!r}; use full, single_pipeline or "
                      f"replica_and_ladder")
 
 
