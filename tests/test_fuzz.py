@@ -7,7 +7,6 @@ Attack classes and their example counts are in ``EXAMPLES``; each test draws tha
 from __future__ import annotations
 
 import contextlib
-import math
 import string
 from datetime import timedelta
 
@@ -246,17 +245,13 @@ def test_arrays_give_only_the_kits_errors(arrays, replica, samples):
 
 
 @fuzz("arrays")
-@given(hnp.arrays(st.sampled_from([np.float64, np.int64, np.float32]), st.integers(1, 8),
-                  elements={"allow_nan": True} if False else None))
-def test_batches_never_change_a_value(values):
+@given(hnp.arrays(st.sampled_from([np.float64, np.int64, np.float32]), 1))
+def test_batches_never_turn_a_value_infinite(values):
     io = pk.StepIOFactory(pk.SessionConfig(mode="inference"), inputs={"v": pk.TensorSpec((1,))})
     try:
-        run = next(io.batches(list(values)))
+        got = next(io.batches([values[0]]))["v"]
     except pk.DataError:
+        assert np.isfinite(values[0]) and abs(float(values[0])) > float(np.finfo(np.float32).max)
         return
-    except StopIteration:
-        return
-    got = run["v"].astype(np.float64)
-    want = values[:1].astype(np.float64)
-    assert np.array_equal(np.isfinite(got), np.isfinite(want)) or all(
-        math.isnan(v) for v in want[~np.isfinite(got)])
+    assert np.isfinite(got).all() == np.isfinite(values).all()
+    assert np.isnan(got).all() == np.isnan(values).all()
