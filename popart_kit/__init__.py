@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 # the Builder's onnx or the runtime's JAX.
 _HOMES = {
     "._problems": ("PopartKitWarning",),
+    ".errors": ("PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
+                "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
+                "InvalidData"),
     ".builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder", "ReductionType",
                  "ReplicatedStreamMode", "TensorInfo"),
     ".config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling", "Replication",
@@ -30,6 +33,19 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 if TYPE_CHECKING:
     from ._problems import PopartKitWarning
+    from .errors import (
+        ConfigError,
+        ConfigTypeError,
+        DataError,
+        DataTypeError,
+        Invalid,
+        InvalidConfig,
+        InvalidData,
+        InvalidModel,
+        ModelError,
+        ModelTypeError,
+        PopartKitError,
+    )
     from .builder import (
         Builder,
         BuilderError,
@@ -91,6 +107,17 @@ __all__ = [
     "SGD",
     "Adam",
     "PopartKitWarning",
+    "PopartKitError",
+    "ConfigError",
+    "ModelError",
+    "DataError",
+    "ConfigTypeError",
+    "ModelTypeError",
+    "DataTypeError",
+    "Invalid",
+    "InvalidConfig",
+    "InvalidModel",
+    "InvalidData",
 ]
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from . import _names
 from . import _popart_catalog as catalog
 from ._rules import CONTROLLED_MAP_KEYS, CONTROLLED_OPTIONS
+from .errors import ConfigError, short
 
 if TYPE_CHECKING:
     from .config import SessionConfig
@@ -53,7 +54,7 @@ def to_popart_dict(cfg: SessionConfig) -> dict[str, Any]:
 
 def device_request(cfg: SessionConfig) -> dict[str, Any]:
     if cfg.device.target != "ipu":
-        raise ValueError(
+        raise ConfigError(
             f"device.target={cfg.device.target!r}: only IPU hardware is acquired with "
             f"acquireAvailableDevice (ipu_model: createIpuModelDevice, cpu: createCpuDevice, "
             f"offline: createOfflineIPUDevice). Fix: set device.target='ipu' to request hardware.")
@@ -99,7 +100,8 @@ def _reader(opts: Any) -> tuple[Any, list[str]]:
     if isinstance(opts, Mapping):
         unknown = [k for k in opts if k not in catalog.OPTIONS]
         if unknown:
-            raise ValueError(f"from_session_options: {unknown} are not SessionOptions attributes.")
+            raise ConfigError(f"from_session_options: {short(unknown)} are not SessionOptions "
+                              f"attributes.", rule="K-option-unknown")
         return (lambda name: catalog.plain(name, opts.get(name, catalog.DEFAULTS.get(name))),
                 list(opts))
     get = lambda name: catalog.plain(name, getattr(opts, name))  # noqa: E731
@@ -151,7 +153,7 @@ def from_session_options(cls: type[SessionConfig], opts: Any,
                         f"{get('accumulationAndReplicationReductionType')!r} leaves gradients "
                         f"unreduced; popart_kit supports Sum and Mean (as PopTorch does)")
     if problems:
-        raise ValueError("from_session_options: " + "; ".join(problems)
+        raise ConfigError("from_session_options: " + "; ".join(problems)
                          + ". Fix: make the options consistent first.")
     data: dict[str, Any] = {
         "virtual_graph_mode": _names.kit_name(_names.VIRTUAL_GRAPH_MODE, get("virtualGraphMode")),

@@ -11,6 +11,8 @@ import json
 from importlib import resources
 from typing import Any
 
+from .errors import short
+
 __all__ = ["OPTIONS", "DEFAULTS", "ENUMS", "STRUCTS", "DEPRECATED",
            "type_problem", "assign", "plain", "readable"]
 
@@ -45,7 +47,7 @@ def _value_problem(type_: str, value: Any) -> str | None:
         if not isinstance(value, dict):
             return "expected a table of string keys to string values"
         bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, str)]
-        return f"Poplar options are strings; quote the values of {bad}" if bad else None
+        return f"Poplar options are strings; quote the values of {short(bad)}" if bad else None
     if type_ == "dict[str,int]":
         if not isinstance(value, dict) or not all(
                 isinstance(k, str) and _is_int(v) for k, v in value.items()):
@@ -65,7 +67,7 @@ def _value_problem(type_: str, value: Any) -> str | None:
             return f"expected a table with some of the fields {', '.join(fields)}"
         unknown = [k for k in value if k not in fields]
         if unknown:
-            return f"{unknown} are not fields of {type_[7:]} (fields: {', '.join(fields)})"
+            return f"{short(unknown)} are not fields of {type_[7:]} (fields: {', '.join(fields)})"
         problems = [f"{k}: {p}" for k, v in value.items() if (p := _value_problem(fields[k], v))]
         return "; ".join(problems) or None
     return f"options of type {type_} cannot be given in a configuration file; set them on the " \

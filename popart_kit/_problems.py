@@ -1,8 +1,9 @@
 """Problems found in a configuration, and how they reach the user.
 
 A rule returns :class:`Problem` objects instead of raising, so that every violated rule can be
-reported in one error. Errors become one pydantic ``ValidationError`` (a ``ValueError``) whose
-entries carry the field location; warnings become :class:`PopartKitWarning`.
+reported in one error. Errors become one :class:`~popart_kit.errors.Invalid` (a ``ValueError``
+and a pydantic ``ValidationError``) whose entries carry the field location and the rule id;
+warnings become :class:`PopartKitWarning`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from .errors import Invalid, InvalidConfig, InvalidData, InvalidModel
 
 __all__ = ["Problem", "PopartKitWarning", "raise_errors", "emit_warnings"]
 
@@ -27,8 +29,8 @@ class Problem:
     """One violated rule: where (a dotted field path), what (with the numbers) and the fix.
 
     ``involved`` maps every field the rule read to its value, so the error shows the numbers.
-    ``rule`` is a short id: ``V<n>`` for a PopART rule (see shared/reference), ``K-...`` for a
-    rule popart_kit adds.
+    ``rule`` is a short id: ``V<n>`` for a check PopART itself makes, ``K-...`` for a rule
+    popart_kit adds.
     """
 
     loc: str | tuple[str, ...]  # a dotted field path, or parts that may contain dots
@@ -49,7 +51,7 @@ class Problem:
 
     @property
     def dotted(self) -> str:
-        return self.loc if isinstance(self.loc, str) else ".".join(self.loc)
+        return self.loc if isinstance(self.loc, str) else ".".join(map(str, self.loc))
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -62,26 +64,31 @@ class Problem:
         return f"{self.dotted}: {self.text()} [{self.rule}]"
 
 
+# Which error class a title's problems raise when the caller does not say.
+_KIND_OF_TITLE: tuple[tuple[str, type[Invalid]], ...] = (
+    ("StepIOFactory", InvalidData), ("write_weights", InvalidData), ("run", InvalidData),
+    ("PipelineLayout", InvalidModel), ("model", InvalidModel), ("XlaBackend", InvalidModel),
+    ("PopartBackend", InvalidModel), ("TrainingSession", InvalidModel),
+)
+
+
+def _kind(title: str) -> type[Invalid]:
+    return next((k for prefix, k in _KIND_OF_TITLE if title.startswith(prefix)), InvalidConfig)
+
+
 def raise_errors(title: str, problems: Iterable[Problem],
-                 also: ValidationError | None = None) -> None:
-    """Raise one ValidationError listing every error in ``problems`` after those of ``also``
-    (an error pydantic raised); with no error in ``problems``, do nothing."""
-    details = [
-        InitErrorDetails(
-            type=PydanticCustomError("popart_kit." + p.rule, "{text}", {"text": p.text()}),
-            loc=p.parts,
-            input=p.value,
-        )
-        for p in problems
-        if p.severity == "error"
-    ]
-    if details and also is not None:
-        details = [InitErrorDetails(type=PydanticCustomError(e["type"], "{text}",
-                                                             {"text": e["msg"]}),
-                                    loc=e["loc"], input=e.get("input"))
-                   for e in also.errors()] + details
-    if details:
-        raise ValidationError.from_exception_data(title, details)
+                 also: ValidationError | None = None,
+                 error: type[Invalid] | None = None) -> None:
+    """Raise one :class:`~popart_kit.errors.Invalid` (of class ``error``, by default chosen from
+    ``title``) listing every error in ``problems`` after those of ``also`` (an error pydantic
+    raised); with no error in ``problems``, do nothing."""
+    entries = [("popart_kit." + p.rule, p.parts, p.text(), p.value)
+               for p in problems if p.severity == "error"]
+    if entries and also is not None:
+        entries = [(e["type"], e["loc"], e["msg"], e.get("input"))
+                   for e in also.errors(include_url=False)] + entries
+    if entries:
+        raise (error or _kind(title)).of(title, entries)
 
 
 def emit_warnings(problems: Iterable[Problem], stacklevel: int = 2) -> None:

@@ -1,8 +1,9 @@
 """The rules a SessionConfig must satisfy, judged from the configuration alone.
 
 Each rule is a small function that yields :class:`Problem` objects; :func:`check_config` runs them
-all, so every violation is reported at once. Rule ids ``V<n>`` refer to PopART's own checks in
-shared/reference/popart-session-options.md §2; ``K-...`` rules are popart_kit's stricter ones.
+all, so every violation is reported at once. Rule ids ``V<n>`` are checks PopART itself makes
+(when it builds the session's IR); ``K-...`` rules are popart_kit's stricter ones. Every rule costs
+the same whatever the magnitude of the numbers, and quotes values shortened.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ from ._arith import (
     pipeline_fill_micro_batches,
 )
 from ._problems import Problem
+from .errors import short
 
 if TYPE_CHECKING:
     from .config import SessionConfig
 
-__all__ = ["check_config", "CONTROLLED_OPTIONS", "MAX_IPUS_PER_INSTANCE", "BUBBLE_WARNING"]
+__all__ = ["check_config", "CONTROLLED_OPTIONS", "MAX_IPUS_PER_INSTANCE", "MAX_GLOBAL_IPUS",
+           "BUBBLE_WARNING"]
 
 MAX_IPUS_PER_INSTANCE = 64
+# Graphcore's IPU-Fabric connects at most 64,000 IPUs in one system (IPU-POD64 building blocks).
+MAX_GLOBAL_IPUS = 64_000
 BUBBLE_WARNING = 0.30
 
 Rule = Callable[["SessionConfig"], Iterator[Problem]]
@@ -280,8 +285,9 @@ def _ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
             f"IPUs per replica.", "K-max-ipus", ipus_per_replica=ipus)
     elif request > MAX_IPUS_PER_INSTANCE:
         total = cfg.replication.global_replicas
-        fits = [d for d in range(1, total + 1) if total % d == 0 and _instance_ipus(
-            cfg, d * ipus) <= MAX_IPUS_PER_INSTANCE]
+        # a local factor that fits is at most MAX_IPUS_PER_INSTANCE // ipus: a bounded search
+        fits = [d for d in range(1, min(total, MAX_IPUS_PER_INSTANCE // ipus) + 1)
+                if total % d == 0 and _instance_ipus(cfg, d * ipus) <= MAX_IPUS_PER_INSTANCE]
         rounded = f", {request} after rounding to a power of two" if request != need else ""
         yield _error(
             loc,
@@ -290,6 +296,20 @@ def _ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
             f"spread the {total} replicas over instances: local_factor={fits[-1]} with "
             f"global_factor={total} is {total // fits[-1]} instances (launched with poprun)."
             if fits else "use fewer IPUs per replica.", "K-max-ipus", **involved)
+
+
+@_rule
+def _global_ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
+    total, ipus = cfg.replication.global_replicas, cfg.ipus_per_replica
+    if total * ipus > MAX_GLOBAL_IPUS:
+        loc = ("replication.global_factor" if cfg.replication.is_distributed
+               else "replication.local_factor")
+        yield _error(
+            loc,
+            f"{total} replicas × ipus_per_replica={ipus} = {total * ipus} IPUs; the largest "
+            f"IPU system (IPU-Fabric) connects {MAX_GLOBAL_IPUS}.",
+            f"use at most {MAX_GLOBAL_IPUS // ipus} replicas of {ipus} IPUs.",
+            "K-max-global-ipus", replication__global_replicas=total, ipus_per_replica=ipus)
 
 
 def _instance_ipus(cfg: SessionConfig, need: int) -> int:
@@ -358,21 +378,22 @@ def _known_options(cfg: SessionConfig) -> Iterator[Problem]:
         if name in CONTROLLED_OPTIONS:
             field = CONTROLLED_OPTIONS[name]
             yield _error(loc, f"{name} is set by the typed field {field}.",
-                         f"remove {name!r} from popart_options and set {field} instead.",
+                         f"remove {short(name)} from popart_options and set {field} instead.",
                          "K-option-controlled", **{name: value})
         elif name in ELSEWHERE:
             yield _error(loc, f"{name} is not a SessionOptions attribute.",
                          f"set {ELSEWHERE[name]} instead.", "K-option-elsewhere", **{name: value})
         elif name not in catalog.OPTIONS:
-            close = difflib.get_close_matches(name, catalog.OPTIONS, n=3, cutoff=0.6)
+            close = difflib.get_close_matches(name, catalog.OPTIONS, n=3, cutoff=0.6) if len(
+                name) <= 100 else []  # no option name is that long; matching would cost more
             hint = f"did you mean {' or '.join(map(repr, close))}?" if close else (
                 "see `popart-kit schema` and PopART's SessionOptions reference for valid names.")
-            yield _error(loc, f"{name!r} is not an attribute of popart.SessionOptions.", hint,
+            yield _error(loc, f"{short(name)} is not an attribute of popart.SessionOptions.", hint,
                          "K-option-unknown", **{name: value})
         else:
             reason = catalog.type_problem(name, value)
             if reason:
-                yield _error(loc, f"{name}={value!r}: {reason}.",
+                yield _error(loc, f"{name}={short(value)}: {reason}.",
                              f"give a value of type {catalog.OPTIONS[name]}.",
                              "K-option-type", **{name: value})
             elif name in catalog.DEPRECATED:
@@ -383,7 +404,7 @@ def _known_options(cfg: SessionConfig) -> Iterator[Problem]:
                     if (name, key) in CONTROLLED_MAP_KEYS:
                         field = CONTROLLED_MAP_KEYS[(name, key)]
                         yield _error(_option_loc(name, key),
-                                     f"{name}[{key!r}] is set by the typed field {field}.",
+                                     f"{name}[{short(key)}] is set by the typed field {field}.",
                                      f"remove it and set {field} instead.",
                                      "K-option-controlled", **{f"{name}.{key}": value[key]})
 
@@ -452,7 +473,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
                          virtualGraphSplitRatios=ratios, ipus_per_replica=ipus)
         if bad:
             yield _error(_option_loc("virtualGraphSplitRatios"),
-                         f"virtualGraphSplitRatios {bad} are outside (0, 1).",
+                         f"virtualGraphSplitRatios {short(bad)} are outside (0, 1).",
                          "give each IPU a share strictly between 0 and 1.", "V28",
                          virtualGraphSplitRatios=ratios)
         if not math.isclose(sum(ratios), 1.0, abs_tol=1e-6):
@@ -501,7 +522,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
         for key in gcl:
             if key not in VALID_GCL_OPTIONS:
                 yield _error(_option_loc("gclOptions", key),
-                             f"{key!r} is not a valid gcl option.",
+                             f"{short(key)} is not a valid gcl option.",
                              f"use one of {', '.join(VALID_GCL_OPTIONS)}.", "V41")
 
     if o("opxModifyChecking") and cfg.replication.local_factor > 1:
@@ -514,7 +535,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
         yield from _buffering_depth(_option_loc(name), name, o(name), rearranged)
     for name in ("bufferingDepthMap", "prefetchBufferingDepthMap"):
         for tensor, d in (o(name) or {}).items():
-            yield from _buffering_depth(_option_loc(name, tensor), f"{name}[{tensor!r}]", d,
+            yield from _buffering_depth(_option_loc(name, tensor), f"{name}[{short(tensor)}]", d,
                                         rearranged)
 
     if _struct_field(cfg, "automaticLossScalingSettings", "enabled") and acc > 1:
@@ -530,7 +551,7 @@ def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
     if conv_partials and cfg.precision.partials_type and (
             conv_partials.lower() != cfg.precision.partials_type):
         yield _error(_option_loc("matmulOptions", "partialsType"),
-                     f"matmulOptions['partialsType']={conv_partials!r} contradicts "
+                     f"matmulOptions['partialsType']={short(conv_partials)} contradicts "
                      f"precision.partials_type={cfg.precision.partials_type!r}.",
                      "keep one of them.", "K-partials-conflict")
 

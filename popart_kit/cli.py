@@ -1,4 +1,8 @@
-"""popart-kit: command-line entry points."""
+"""popart-kit: command-line entry points.
+
+Exit codes: 0 success; 2 the input was refused (a bad config, model, file or argument), with every
+problem printed and never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,13 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from ._problems import PopartKitWarning
+from .errors import PopartKitError, clip
 from ._render import allocation_view, plan_view, problems_view
 from .config import SessionConfig
 
 __all__ = ["main"]
+
+REFUSED = 2  # exit code for input the kit refuses
 
 
 def _loc(error: dict) -> str:
@@ -31,11 +38,16 @@ def _load(path: str, err: Console) -> SessionConfig | None:
     """The config at ``path``, or None after printing every problem it has."""
     try:
         return SessionConfig.from_file(path)
-    except ValidationError as exc:
-        _problems(err, path, [(_loc(e), e["msg"]) for e in exc.errors()])
-    except (ValueError, OSError) as exc:
-        _problems(err, path, [("(file)", str(exc))])
+    except PopartKitError as exc:
+        _report(err, path, exc)
     return None
+
+
+def _report(err: Console, title: str, exc: PopartKitError) -> None:
+    if isinstance(exc, ValidationError):
+        _problems(err, title, [(_loc(e), clip(e["msg"], 2000)) for e in exc.errors()])
+    else:
+        _problems(err, title, [("(file)", clip(str(exc), 2000))])
 
 
 def _quietly(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -58,14 +70,14 @@ def _show_plan(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     cfg = _load(args.config, err)
     if cfg is None:
-        return 1
+        return REFUSED
     if args.instance is not None:
         rep = cfg.replication
         if not 0 <= args.instance < rep.instances:
             _problems(err, args.config, [(
                 "--instance", f"instance {args.instance} does not exist: the config describes "
                               f"{rep.instances} instance(s), 0..{rep.instances - 1}.")])
-            return 1
+            return REFUSED
         cfg = cfg.updated(replication=rep.model_copy(
             update={"global_offset": args.instance * rep.local_factor}))
     plan = cfg.plan()
@@ -79,20 +91,28 @@ def _show_plan(args: argparse.Namespace) -> int:
 @_quietly
 def _check(args: argparse.Namespace) -> int:
     """The model's device allocation and every problem of the model under the config."""
-    from .layout import PipelineLayout
+    from ._model_check import model_problems
+    from .layout import PipelineLayout, load_model
 
     out, err = Console(), Console(stderr=True)
     cfg = _load(args.config, err) if args.config else None
     if args.config and cfg is None:
-        return 1
+        return REFUSED
     try:
-        layout = PipelineLayout.from_model(args.model)
-    except ValidationError as exc:
-        _problems(err, args.model, [(_loc(e), e["msg"]) for e in exc.errors()])
-        return 1
-    except (OSError, TypeError, ValueError) as exc:  # unreadable, or not an ONNX model
-        _problems(err, args.model, [("(file)", str(exc))])
-        return 1
+        model = load_model(args.model)
+    except PopartKitError as exc:
+        _report(err, args.model, exc)
+        return REFUSED
+    invalid = [(p.dotted, f"{p.text()} [{p.rule}]") for p in model_problems(model)
+               if p.severity == "error"]
+    if invalid:
+        _problems(err, f"{args.model} is not a valid ONNX model", invalid)
+        return REFUSED
+    try:
+        layout = PipelineLayout.from_model(model)
+    except PopartKitError as exc:
+        _report(err, args.model, exc)
+        return REFUSED
     out.print(allocation_view(layout))
     out.print(f"forward stages {layout.forward_stages}; depth {layout.depth(training=False)} "
               f"in inference, {layout.depth(training=True)} in training")
@@ -105,7 +125,7 @@ def _check(args: argparse.Namespace) -> int:
             err.print(f"[yellow]warning[/yellow] {p}", soft_wrap=True)
     if errors:
         _problems(err, f"{args.model} under {args.config}", errors)
-        return 1
+        return REFUSED
     out.print(f"[green]{args.model} fits {args.config}[/green]")
     return 0
 
@@ -136,7 +156,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except PopartKitError as exc:  # a refusal a command did not report itself
+        _problems(Console(stderr=True), "refused", [("(input)", clip(str(exc), 2000))])
+        return REFUSED
 
 
 if __name__ == "__main__":

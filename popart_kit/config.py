@@ -1,8 +1,10 @@
 """SessionConfig: one typed, validated description of a PopART session.
 
 Every model is immutable and rejects unknown keys. Constructing an invalid configuration raises
-one ``ValueError`` (a pydantic ``ValidationError``) that lists every violated rule with its field,
-its numbers and its fix; nothing is compiled or acquired before that.
+one :class:`~popart_kit.errors.InvalidConfig` (a ``ValueError`` and a pydantic
+``ValidationError``) that lists every violated rule with its field, its numbers and its fix;
+nothing is compiled or acquired before that. Counts are bounded (:data:`MAX_COUNT`), so every
+check costs the same whatever the numbers.
 """
 
 from __future__ import annotations
@@ -12,23 +14,24 @@ import json
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeInt,
-    PositiveInt,
     PrivateAttr,
     ValidationError,
     ValidatorFunctionWrapHandler,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from . import _names
+from . import _config_files, _names
 from . import _popart_catalog as catalog
 from ._problems import Problem, emit_warnings, raise_errors
+from .errors import ConfigError, InvalidConfig
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -44,7 +47,63 @@ __all__ = [
 ]
 
 
-class _Section(BaseModel):
+# The largest count a field accepts: PopART passes batches, factors and IPU counts as 32-bit
+# ints, and bounded numbers keep every check's cost independent of their magnitude.
+MAX_COUNT = 2**31 - 1
+
+
+def _bounded(value: int) -> int:
+    if value > MAX_COUNT:
+        raise PydanticCustomError(
+            "popart_kit.K-count-range",
+            "{value} is above {limit} (2**31 - 1): PopART takes counts as 32-bit ints, and no "
+            "session has that many. Fix: use a number up to {limit}.",
+            {"value": _shortint(value), "limit": MAX_COUNT})
+    return value
+
+
+def _shortint(value: int) -> str:
+    from .errors import short
+
+    return short(value)
+
+
+PositiveInt = Annotated[int, Field(ge=1), AfterValidator(_bounded)]
+NonNegativeInt = Annotated[int, Field(ge=0), AfterValidator(_bounded)]
+
+
+class _Model(BaseModel):
+    """A pydantic model whose refusals are :class:`~popart_kit.errors.InvalidConfig`."""
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise InvalidConfig.wrap(err) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as err:
+            raise InvalidConfig.wrap(err) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().model_validate_json(json_data, *args, **kwargs)
+        except ValidationError as err:
+            raise InvalidConfig.wrap(err) from None
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().model_validate_strings(obj, *args, **kwargs)
+        except ValidationError as err:
+            raise InvalidConfig.wrap(err) from None
+
+
+class _Section(_Model):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
@@ -53,10 +112,11 @@ class _Section(BaseModel):
 _INSIDE_SESSION_CONFIG: ContextVar[bool] = ContextVar("inside_session_config", default=False)
 
 
-def _some(values: list[int], limit: int = 6) -> str:
-    if len(values) <= limit:
-        return ", ".join(map(str, values))
-    return ", ".join(map(str, values[: limit - 1])) + f", …, {values[-1]}"
+def _multiples(step: int, last: int, limit: int = 6) -> str:
+    """``0, step, 2·step, …, last`` with at most ``limit`` numbers shown (closed form)."""
+    count = last // step + 1
+    shown = [i * step for i in range(min(count, limit - 1 if count > limit else count))]
+    return ", ".join(map(str, shown)) + (f", …, {last}" if count > limit else "")
 
 
 class Replication(_Section):
@@ -119,11 +179,11 @@ class Replication(_Section):
                 f"use global_factor={lower} or {upper}, or a local_factor that divides {glob}.",
                 "K-replication-global-multiple")
         if offset % local:
-            valid = list(range(0, max(glob, local), local))
+            last = (max(glob, local) - 1) // local * local
             add("global_offset",
                 f"global_offset={offset} is not a multiple of local_factor={local}: instance i "
                 f"starts at replica i × {local}.",
-                f"use one of {_some(valid)}.", "K-replication-offset-multiple")
+                f"use one of {_multiples(local, last)}.", "K-replication-offset-multiple")
         elif glob >= local and offset + local > glob:
             last = (glob - local) // local * local
             add("global_offset",
@@ -220,12 +280,12 @@ def _format_of(path: Path) -> str:
     try:
         return _FORMATS[path.suffix.lower()]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"{path}: unknown configuration format {path.suffix!r}; "
-            f"use one of {', '.join(sorted(_FORMATS))}.") from None
+            f"use one of {', '.join(sorted(_FORMATS))}.", rule="K-file-format") from None
 
 
-class SessionConfig(BaseModel):
+class SessionConfig(_Model):
     """A whole PopART session: mode, batching, topology, device and extra PopART options."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True,
@@ -389,27 +449,15 @@ class SessionConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | Path) -> SessionConfig:
-        """Read a TOML, YAML or JSON file (chosen by suffix)."""
+        """Read a TOML, YAML or JSON file (chosen by suffix). Refuses, naming the file: a file
+        that cannot be read, duplicate keys, YAML aliases that expand too far, nesting deeper
+        than a configuration needs, and anything but a table at the top level."""
         path = Path(path)
-        fmt = _format_of(path)
-        text = path.read_text(encoding="utf-8")
+        data = _config_files.read(path, _format_of(path))
         try:
-            if fmt == "toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            elif fmt == "yaml":
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except Exception as err:  # each parser has its own error type
-            raise ValueError(f"{path}: not valid {fmt.upper()}: {err}") from err
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{path}: expected a table of settings at the top level, "
-                             f"found {type(data).__name__}.")
-        return cls.model_validate(data)
+            return cls.model_validate(data)
+        except InvalidConfig as err:
+            raise InvalidConfig.wrap_titled(err, str(path)) from None
 
     def to_file(self, path: str | Path) -> Path:
         """Write TOML, YAML or JSON (chosen by suffix); unset optional fields are left out."""

@@ -1,12 +1,13 @@
 """PipelineLayout: the pipeline-stage and IPU annotations of any ONNX model, and PopART's rules.
 
 PopART reads ``__pipeline_stage`` and ``__ipu_number`` node attributes (INT) and checks them only
-after the model is loaded, one rule at a time (shared/reference/popart-stepio-builder.md §5).
+after the model is loaded, one rule at a time.
 This module reads them from a ModelProto, bytes or a path, checks every rule at once, computes
 the forward stages and the depth PopART runs, and renders the device allocation.
 
-Rule ids: ``V<n>`` is rule n of shared/reference/popart-session-options.md §2, ``P<n>`` rule n of
-shared/reference/popart-stepio-builder.md §5, ``K-...`` popart_kit's own.
+Rule ids: ``V<n>`` is a session-option check PopART makes, ``P<n>`` a check PopART makes on
+pipeline annotations, ``K-...`` popart_kit's own. Checks cost the same whatever the stage and IPU
+numbers are.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ._problems import Problem, emit_warnings, raise_errors
+from .errors import ModelError, ModelTypeError, short
 
 if TYPE_CHECKING:
     from .config import SessionConfig
@@ -39,15 +41,25 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     if isinstance(model, onnx.ModelProto):
         return model
     if not isinstance(model, bytes | bytearray | str | os.PathLike):
-        raise TypeError(f"expected an onnx.ModelProto, bytes or a path, got "
-                        f"{type(model).__name__}")
+        raise ModelTypeError(f"expected an onnx.ModelProto, bytes or a path, got "
+                             f"{type(model).__name__}.", rule="K-model-type")
+    where = "these bytes" if isinstance(model, bytes | bytearray) else short(os.fspath(model))
     try:
         if isinstance(model, bytes | bytearray):
             return onnx.load_from_string(bytes(model))
         return onnx.load(os.fspath(model))
     except DecodeError as err:
-        where = "these bytes" if isinstance(model, bytes | bytearray) else os.fspath(model)
-        raise ValueError(f"{where} is not an ONNX model ({err}).") from None
+        raise ModelError(f"{where} is not an ONNX model ({err}).", rule="K-model-decode") from None
+    except FileNotFoundError as err:
+        raise ModelError(f"{where}: no such file ({short(err.filename or '')}). Fix: check the "
+                         f"path, and that external data files sit beside the model.",
+                         rule="K-model-file") from None
+    except IsADirectoryError:
+        raise ModelError(f"{where} is a directory, not an ONNX model.",
+                         rule="K-model-file") from None
+    except Exception as err:  # onnx's ValidationError for bad external data, OSError, ...
+        raise ModelError(f"{where} cannot be loaded: {short(str(err), 300)}",
+                         rule="K-model-file") from None
 
 
 @dataclass(frozen=True)
@@ -67,8 +79,9 @@ def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:
         if attr.name == name:
             if attr.type != onnx.AttributeProto.INT:
                 kind = onnx.AttributeProto.AttributeType.Name(attr.type)
-                raise ValueError(f"node {node.name or node.output[0]!r}: {name} is a {kind} "
-                                 f"attribute; PopART reads an INT. Fix: write one integer.")
+                label = short(node.name or (node.output[0] if node.output else node.op_type))
+                raise ModelError(f"node {label}: {name} is a {kind} attribute; PopART reads an "
+                                 f"INT. Fix: write one integer.", rule="P-attribute-type")
             return int(attr.i)
     return None
 
@@ -137,11 +150,11 @@ class PipelineLayout:
         if not staged and placed:
             self.inferred = True  # PopART sets each op's stage to its virtual graph id
         stages = sorted({self._stage(op) for op in self.ops if self._stage(op) is not None})
-        if stages and stages != list(range(len(stages))):
-            gaps = sorted(set(range(stages[-1] + 1)) - set(stages))
+        if stages and stages[-1] != len(stages) - 1:  # sorted and unique: a gap somewhere
+            gap = next(i for i, s in enumerate(stages) if s != i)
             what = "IPUs (the stages PopART infers)" if self.inferred else "stages"
             out.append(Problem(_STAGE_LOC,
-                               f"the {what} used are {stages}: stage {gaps[0]} is missing "
+                               f"the {what} used are {short(stages)}: stage {gap} is missing "
                                f"(PopART needs stages 0..{len(stages) - 1}).",
                                "renumber the IPUs without gaps, or annotate stages explicitly."
                                if self.inferred else "renumber the stages without gaps.",

@@ -62,6 +62,9 @@ def _compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
+
 class _Optimizer(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -78,11 +81,15 @@ class _Optimizer(BaseModel):
 
     @staticmethod
     def _finite(problems: list[Problem], name: str, value: float, prefix: str) -> bool:
-        if math.isfinite(value):
+        """Whether ``value`` is finite in float32, the dtype the update is computed in."""
+        if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
             return True
-        problems.append(Problem(name, f"{name}={value!r} is not a finite number.",
-                                f"give {name} a finite value.", f"K-{prefix}-finite",
-                                involved={name: value}))
+        why = ("is not a finite number" if not math.isfinite(value) else
+               f"is not finite in float32, the dtype the update is computed in (largest "
+               f"{_FLOAT32_MAX:.7g}): it would become {'-' if value < 0 else ''}inf")
+        problems.append(Problem(name, f"{name}={value!r} {why}.",
+                                f"give {name} a value of magnitude at most {_FLOAT32_MAX:.7g}.",
+                                f"K-{prefix}-finite", involved={name: value}))
         return False
 
     def _problems(self) -> list[Problem]:  # pragma: no cover - overridden

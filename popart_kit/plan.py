@@ -11,14 +11,15 @@ import dataclasses
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from ._arith import bubble_fraction, next_power_of_two, pipeline_depth, pipeline_fill_micro_batches
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import SessionConfig
 
-__all__ = ["Plan", "ReplicaPlacement", "sync_groups"]
+__all__ = ["Plan", "ReplicaPlacement", "ReplicaTable", "sync_groups"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,53 @@ class ReplicaPlacement:
     global_id: int
     local_id: int
     ipus: tuple[int, ...]
+
+
+class ReplicaTable(Sequence[ReplicaPlacement]):
+    """Every global replica's placement, computed when asked for: a table of a million replicas
+    costs what a table of one does until it is read."""
+
+    def __init__(self, global_replicas: int, local_replicas: int, stride: int,
+                 ipus_per_replica: int) -> None:
+        self._key = (global_replicas, local_replicas, stride, ipus_per_replica)
+
+    def __len__(self) -> int:
+        return self._key[0]
+
+    def _row(self, g: int) -> ReplicaPlacement:
+        _, local, stride, ipus = self._key
+        first = g % local * stride
+        return ReplicaPlacement(g // local, g, g % local, tuple(range(first, first + ipus)))
+
+    @overload
+    def __getitem__(self, index: int) -> ReplicaPlacement: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ReplicaPlacement, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> ReplicaPlacement | tuple[ReplicaPlacement, ...]:
+        if isinstance(index, slice):
+            return tuple(self._row(g) for g in range(*index.indices(len(self))))
+        g = index + len(self) if index < 0 else index
+        if not 0 <= g < len(self):
+            raise IndexError(f"replica {index} does not exist: there are {len(self)}.")
+        return self._row(g)
+
+    def instance(self, i: int) -> tuple[ReplicaPlacement, ...]:
+        """The replicas instance ``i`` runs."""
+        local = self._key[1]
+        return self[i * local:(i + 1) * local]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReplicaTable):
+            return self._key == other._key
+        return isinstance(other, Sequence) and len(other) == len(self) and tuple(self) == tuple(
+            other)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"ReplicaTable({len(self)} replicas, {self._key[1]} per instance)"
 
 
 def sync_groups(pattern: str, num_ipus: int) -> dict[str, list[list[int]]]:
@@ -46,13 +94,13 @@ def sync_groups(pattern: str, num_ipus: int) -> dict[str, list[list[int]]]:
     if pattern == "replica_and_ladder":
         rails = [list(range(0, num_ipus, 2)), list(range(1, num_ipus, 2))]
         return {"GS1": [r for r in rails if r], "GS2": everyone}
-    raise ValueError(f"unknown sync pattern {pattern!r}; use full, single_pipeline or "
+    raise ConfigError(f"unknown sync pattern {pattern!r}; use full, single_pipeline or "
                      f"replica_and_ladder")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Derived numbers of one instance of a session (see DESIGN.md, "Configuration")."""
+    """Derived numbers of one instance of a session: topology, batches, pipeline, placement."""
 
     mode: str
     target: str
@@ -80,7 +128,7 @@ class Plan:
     pipeline_depth: int | None
     bubble_fraction: float | None
     # placement
-    replicas: tuple[ReplicaPlacement, ...]
+    replicas: ReplicaTable
     sync_pattern: str
     sync_groups: dict[str, list[list[int]]]
     warnings: tuple[str, ...] = ()
@@ -122,11 +170,7 @@ class Plan:
             pipeline_depth=depth,
             bubble_fraction=None if depth is None or not cfg.pipeline.enabled
             else bubble_fraction(depth, fill),
-            replicas=tuple(
-                ReplicaPlacement(g // rep.local_factor, g, g % rep.local_factor,
-                                 tuple(range(g % rep.local_factor * stride,
-                                             g % rep.local_factor * stride + ipus)))
-                for g in range(rep.global_replicas)),
+            replicas=ReplicaTable(rep.global_replicas, rep.local_factor, stride, ipus),
             sync_pattern=cfg.device.sync_pattern,
             sync_groups=sync_groups(cfg.device.sync_pattern, request),
             warnings=cfg.warnings,
@@ -139,7 +183,7 @@ class Plan:
 
     @property
     def local_replica_placements(self) -> tuple[ReplicaPlacement, ...]:
-        return tuple(r for r in self.replicas if r.instance == self.instance_index)
+        return self.replicas.instance(self.instance_index)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

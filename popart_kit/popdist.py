@@ -1,18 +1,23 @@
 """The POPDIST_* environment contract poprun sets for each instance: read it, and write it.
 
 poprun passes every instance its share of the replicas through environment variables
-(shared/reference/popart-session-options.md §4.2). Instance count and index are derived from them,
-as popdist does for a uniform number of replicas per instance.
+(POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_LOCAL_REPLICAS, POPDIST_REPLICA_INDEX_OFFSET,
+POPDIST_NUM_IPUS_PER_REPLICA, ...). Instance count and index are derived from them, as popdist does
+for a uniform number of replicas per instance. Values must be ASCII decimal integers; every
+missing, malformed or inconsistent variable is named in one :class:`~popart_kit.errors.ConfigError`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+
+from .errors import ConfigError, short
 
 if TYPE_CHECKING:
     from .config import Replication, SessionConfig
@@ -26,6 +31,16 @@ IPUS = "POPDIST_NUM_IPUS_PER_REPLICA"
 UNIFORM = "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE"
 LOCAL_INSTANCE = "POPDIST_LOCAL_INSTANCE_INDEX"
 _REQUIRED = (TOTAL, LOCAL, OFFSET, IPUS)
+_DECIMAL = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, "_", spaces or other scripts
+_FIX = ("Fix: start the program with poprun (or popart-kit launch), which sets all of them "
+        "consistently.")
+
+
+def _integer(raw: object) -> int | None:
+    """The value of an ASCII decimal integer of at most 10 digits, else None."""
+    if isinstance(raw, str) and _DECIMAL.fullmatch(raw):
+        return int(raw)
+    return None
 
 
 @dataclass(frozen=True)
@@ -41,33 +56,47 @@ class PopdistEnv:
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> PopdistEnv:
         """Parse the variables; every missing, malformed or inconsistent one is reported at once."""
+        from ._rules import MAX_GLOBAL_IPUS
+        from .config import MAX_COUNT
+
         env = os.environ if env is None else env
+        if not isinstance(env, Mapping):
+            raise ConfigError(f"env must be a mapping of variable names to strings, got "
+                              f"{type(env).__name__}.", rule="K-popdist-env")
         problems: list[str] = []
         missing = [name for name in _REQUIRED if name not in env]
         if len(missing) == len(_REQUIRED):
-            raise ValueError(
+            raise ConfigError(
                 f"not launched by poprun: none of {', '.join(_REQUIRED)} is set. Fix: start the "
-                f"program with poprun (see Plan.poprun_command) or `popart-kit launch`.")
+                f"program with poprun (see Plan.poprun_command) or `popart-kit launch`.",
+                rule="K-popdist-env")
         problems += [f"{name} is missing" for name in missing]
         values: dict[str, int] = {}
         for name, least in ((TOTAL, 1), (LOCAL, 1), (OFFSET, 0), (IPUS, 1), (LOCAL_INSTANCE, 0)):
             raw = env.get(name)
             if raw is None:
                 continue
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                problems.append(f"{name}={raw!r} is not an integer")
-                continue
-            if values[name] < least:
+            value = _integer(raw)
+            if value is None:
+                problems.append(f"{name}={short(raw)} is not an integer (ASCII decimal digits "
+                                f"0-9, at most 10)")
+            elif value < least:
                 problems.append(f"{name}={raw} is below {least}")
-        if env.get(UNIFORM, "1") != "1":
-            problems.append(f"{UNIFORM}={env[UNIFORM]!r}: popart_kit needs the same number of "
+            elif value > MAX_COUNT:
+                problems.append(f"{name}={raw} is above {MAX_COUNT}")
+            else:
+                values[name] = value
+        uniform = env.get(UNIFORM, "1")
+        if uniform != "1":
+            problems.append(f"{UNIFORM}={short(uniform)}: popart_kit needs the same number of "
                             f"replicas on every instance")
+        if TOTAL in values and IPUS in values and values[TOTAL] * values[IPUS] > MAX_GLOBAL_IPUS:
+            problems.append(f"{TOTAL}={values[TOTAL]} × {IPUS}={values[IPUS]} = "
+                            f"{values[TOTAL] * values[IPUS]} IPUs, more than the largest IPU "
+                            f"system connects ({MAX_GLOBAL_IPUS})")
         if problems:
-            raise ValueError("poprun environment: " + "; ".join(problems)
-                             + ". Fix: start the program with poprun (or popart-kit launch), "
-                               "which sets all of them consistently.")
+            raise ConfigError("poprun environment: " + "; ".join(problems) + ". " + _FIX,
+                              rule="K-popdist-env")
         found = cls(values[TOTAL], values[LOCAL], values[OFFSET], values[IPUS],
                     values.get(LOCAL_INSTANCE, 0))
         found.replication()  # consistency of the three replica numbers
@@ -81,10 +110,10 @@ class PopdistEnv:
                                global_offset=self.replica_index_offset)
         except ValidationError as err:
             details = "; ".join(e["msg"] for e in err.errors())
-            raise ValueError(
+            raise ConfigError(
                 f"poprun environment {TOTAL}={self.total_replicas}, {LOCAL}="
                 f"{self.local_replicas}, {OFFSET}={self.replica_index_offset} is inconsistent: "
-                f"{details}") from None
+                f"{details}", rule="K-popdist-env") from None
 
     def apply(self, cfg: SessionConfig) -> SessionConfig:
         """``cfg`` with replication and ipus_per_replica taken from this environment."""

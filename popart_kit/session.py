@@ -1,8 +1,11 @@
 """Sessions: one facade over the popart and xla backends, with PopART's run semantics.
 
 A ``run`` executes bps × A micro-batches on every local replica and returns the anchors as PopART
-returns them. Before anything compiles the model's pipeline annotations are checked against the
-config (PipelineLayout) and, on run, the inputs against the host layout (StepIOFactory).
+returns them. Before anything compiles, the arguments' types, the model (a valid ONNX graph:
+onnx.checker and the kit's graph checks) and its pipeline annotations under the config
+(PipelineLayout) are checked; on run, the inputs against the host layout (StepIOFactory) and,
+unless ``check_indices=False``, index inputs against the sizes they index and int64 values
+against int32's range, on the host, before compute.
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .backends.base import Backend, TrainingBackend, make_backend
+from pydantic import ValidationError
+
+from ._index_check import IndexChecks
+from ._model_check import check_model
+from .backends.base import BACKENDS, Backend, TrainingBackend, make_backend
 from .config import SessionConfig
+from .errors import ConfigError, ConfigTypeError, DataTypeError, InvalidConfig, clip
 from .layout import PipelineLayout, load_model
 from .optimizers import SGD, Adam
 from .shapes import AnchorReturnType
@@ -31,18 +39,29 @@ class _Session:
     _backend: Backend
 
     def _open(self, model: onnx.ModelProto | bytes | str | os.PathLike, config: SessionConfig,
-              anchors: Mapping[str, Any]) -> None:
+              anchors: Any, backend: Any, check_indices: Any) -> None:
+        _check_arguments(type(self).__name__, config, anchors, backend, check_indices)
         if config.mode != self._mode:
             other = "TrainingSession" if config.mode == "training" else "InferenceSession"
-            raise ValueError(f"{type(self).__name__} needs a config with mode={self._mode!r}, "
-                             f"got mode={config.mode!r}. Fix: use {other}, or set "
-                             f"mode={self._mode!r}.")
+            raise ConfigError(f"{type(self).__name__} needs a config with mode={self._mode!r}, "
+                              f"got mode={config.mode!r}. Fix: use {other}, or set "
+                              f"mode={self._mode!r}.", rule="K-session-mode")
         self.config = config
         self.model = load_model(model)
+        check_model(self.model)
         self.layout = PipelineLayout.from_model(self.model)
         if config.pipeline.enabled or self.layout.is_annotated:
             self.layout.check(config)
         self.anchors = {name: AnchorReturnType.of(art) for name, art in anchors.items()}
+        self.check_indices = check_indices
+        self._indices = IndexChecks.from_model(self.model) if check_indices else None
+
+    def _share_index_sizes(self) -> None:
+        """Let the host-array factory draw random index inputs within the sizes they index."""
+        found = self._indices or IndexChecks.from_model(self.model)
+        sizes = self.io.index_sizes
+        for r in found.ranges:
+            sizes[r.tensor] = min(sizes.get(r.tensor, r.size), r.size)
 
     @property
     def backend(self) -> str:
@@ -59,12 +78,21 @@ class _Session:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One step: canonical host arrays in (checked first), anchors out."""
+        if not isinstance(inputs, Mapping):
+            raise DataTypeError(f"run: inputs must map input names to numpy arrays, got "
+                                f"{type(inputs).__name__}.", rule="K-stepio-type")
+        if self._indices is not None:
+            self._backend.io.check_inputs(inputs)
+            self._indices.check(inputs)
         return self._backend.run(inputs)
 
     def weights(self) -> dict[str, np.ndarray]:
         return self._backend.weights()
 
     def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None:
+        if not isinstance(mapping, Mapping):
+            raise DataTypeError(f"write_weights: expected a mapping of weight names to numpy "
+                                f"arrays, got {type(mapping).__name__}.", rule="K-stepio-type")
         self._backend.write_weights(mapping)
 
     def model_proto(self) -> onnx.ModelProto:
@@ -89,16 +117,19 @@ class InferenceSession(_Session):
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, anchors: Mapping[str, Any] | None = None,
                  backend: str = "auto", *, popart: Any = None,
-                 micro_batches_per_chunk: int | None = None) -> None:
+                 micro_batches_per_chunk: int | None = None,
+                 check_indices: bool = True) -> None:
         proto = load_model(model)
         self._open(proto, config, anchors if anchors is not None else {
-            o.name: "All" for o in proto.graph.output})
+            o.name: "All" for o in proto.graph.output}, backend, check_indices)
         if not self.anchors:
-            raise ValueError("an inference session needs at least one anchor (PopART: 'User "
+            raise ConfigError("an inference session needs at least one anchor (PopART: 'User "
                              "must specify an anchor tensor when doing inference'). Fix: pass "
-                             "anchors={tensor: 'All'} or add outputs to the model.")
+                             "anchors={tensor: 'All'} or add outputs to the model.",
+                              rule="K-session-anchors")
         self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart,
                                               micro_batches_per_chunk=micro_batches_per_chunk)
+        self._share_index_sizes()
 
 
 class TrainingSession(_Session):
@@ -118,13 +149,19 @@ class TrainingSession(_Session):
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
                  popart: Any = None, micro_batches_per_chunk: int | None = None,
-                 check_finite: bool | None = None) -> None:
+                 check_finite: bool | None = None, check_indices: bool = True) -> None:
         if not isinstance(optimizer, SGD | Adam):
-            raise TypeError(f"optimizer={optimizer!r}: give pk.SGD(...) or pk.Adam(...).")
-        self._open(model, config, anchors if anchors is not None else {loss: "Final"})
+            raise ConfigTypeError(f"optimizer={clip(repr(optimizer), 80)}: give pk.SGD(...) or "
+                                  f"pk.Adam(...).", rule="K-session-type")
+        if not isinstance(loss, str):
+            raise ConfigTypeError(f"loss must be the name of the loss tensor (a str), got "
+                                  f"{type(loss).__name__}.", rule="K-session-type")
+        self._open(model, config, anchors if anchors is not None else {loss: "Final"}, backend,
+                   check_indices)
         self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
             backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer,
             micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite)
+        self._share_index_sizes()
         self.loss, self.optimizer = loss, optimizer
 
     def set_optimizer(self, optimizer: Any) -> None:
@@ -132,14 +169,20 @@ class TrainingSession(_Session):
         the optimizer must be of the same kind (type and program_key), as PopART requires."""
         if type(optimizer) is not type(self.optimizer) or (
                 optimizer.program_key != self.optimizer.program_key):
-            raise ValueError(f"set_optimizer: {optimizer!r} is not the same kind of optimizer as "
-                             f"{self.optimizer!r}. Fix: change only its numbers (learning "
-                             f"rate, momentum, ...), or make a new session.")
+            raise ConfigError(f"set_optimizer: {clip(repr(optimizer), 200)} is not the same kind "
+                              f"of optimizer as {self.optimizer!r}. Fix: change only its numbers "
+                              f"(learning rate, momentum, ...), or make a new session.",
+                              rule="K-session-optimizer")
         self._backend.set_optimizer(optimizer)
         self.optimizer = optimizer
 
     def set_learning_rate(self, learning_rate: float) -> None:
-        self.set_optimizer(self.optimizer.with_learning_rate(learning_rate))
+        """The optimizer's learning rate for the next runs (refused unless finite in float32)."""
+        try:
+            optimizer = self.optimizer.with_learning_rate(learning_rate)
+        except ValidationError as err:
+            raise InvalidConfig.wrap(err) from None
+        self.set_optimizer(optimizer)
 
     def set_random_seed(self, seed: int) -> None:
         """Seed the session's random operators (the same seed gives the same run)."""
@@ -152,7 +195,28 @@ class TrainingSession(_Session):
         ``{"step": array, "m": {weight: array}, "v": {weight: array}}`` for Adam."""
         state = getattr(self._backend, "optimizer_state", None)
         if state is None:
-            raise ValueError(f"the {self.backend} backend does not hand out the optimizer "
-                             f"state. Fix: read it with PopART's own readWeights/modelToHost "
-                             f"under its reserved names (Accl___, Accl1___, ...).")
+            raise ConfigError(f"the {self.backend} backend does not hand out the optimizer "
+                              f"state. Fix: read it with PopART's own readWeights/modelToHost "
+                              f"under its reserved names (Accl___, Accl1___, ...).",
+                              rule="K-optimizer-state")
         return state()
+
+
+
+def _check_arguments(session: str, config: Any, anchors: Any, backend: Any,
+                     check_indices: Any) -> None:
+    """Refuse arguments of the wrong type, all at once, before anything is loaded."""
+    wrong = []
+    if not isinstance(config, SessionConfig):
+        hint = (" (a dict: pass pk.SessionConfig(**it) or pk.SessionConfig.model_validate(it))"
+                if isinstance(config, Mapping) else "")
+        wrong.append(f"config must be a pk.SessionConfig, got {type(config).__name__}{hint}")
+    if not isinstance(anchors, Mapping) or not all(isinstance(k, str) for k in anchors):
+        wrong.append(f"anchors must map tensor names (str) to return types, got "
+                     f"{clip(repr(anchors), 80)}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        wrong.append(f"backend={clip(repr(backend), 60)}: use one of {', '.join(BACKENDS)}")
+    if not isinstance(check_indices, bool):
+        wrong.append(f"check_indices must be True or False, got {type(check_indices).__name__}")
+    if wrong:
+        raise ConfigTypeError(f"{session}: " + "; ".join(wrong) + ".", rule="K-session-type")

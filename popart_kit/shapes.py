@@ -2,7 +2,7 @@
 
 Inputs are ``[bps, A, R, *S]`` and anchors ``All [bps, A, R]``, ``EveryN(N) [bps/N, A, R]``,
 ``Final [R]``, ``Sum [R]`` followed by ``S``, with every leading factor that equals 1 left out and
-tensor dimensions always kept (shared/reference/popart-stepio-builder.md §1-2). Broadcast inputs
+tensor dimensions always kept (as PopART lays out PyStepIO arrays). Broadcast inputs
 drop ``R``; global replication never changes these per-instance shapes.
 """
 
@@ -13,6 +13,8 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import ConfigError
 
 __all__ = [
     "AnchorReturnType",
@@ -41,19 +43,19 @@ class AnchorReturnType:
     def __init__(self, name: str, period: int | None = None) -> None:
         canonical = _NAMES.get(name.lower()) if isinstance(name, str) else None
         if canonical is None:
-            raise ValueError(f"Invalid anchor return type ID supplied: {name}. "
+            raise ConfigError(f"Invalid anchor return type ID supplied: {name}. "
                              f"Fix: use one of All, Final, Sum, EveryN (any case).")
         if canonical != "EveryN" and period is not None:
-            raise ValueError(f"A return period should not be supplied for this anchor return "
+            raise ConfigError(f"A return period should not be supplied for this anchor return "
                              f"type ({canonical}, period={period}). Fix: drop the period, or "
                              f"use EveryN.")
         if canonical == "EveryN":
             if period is None:
-                raise ValueError("Must specify return period with option 'EVERYN'. Fix: "
+                raise ConfigError("Must specify return period with option 'EVERYN'. Fix: "
                                  "AnchorReturnType('EveryN', N) with N dividing batches_per_step.")
             period = _count(period)
             if period is None or period <= 0:
-                raise ValueError(f"Anchor return period must be greater than zero, got "
+                raise ConfigError(f"Anchor return period must be greater than zero, got "
                                  f"{period!r}. Fix: a positive integer that divides "
                                  f"batches_per_step.")
         object.__setattr__(self, "name", canonical)
@@ -71,7 +73,7 @@ class AnchorReturnType:
         if hasattr(value, "id") and hasattr(value, "rp"):  # popart.AnchorReturnType
             name = value.id().name
             return cls(name, value.rp() if name == "EveryN" else None)
-        raise ValueError(f"cannot read an anchor return type from {value!r}. Fix: give 'All', "
+        raise ConfigError(f"cannot read an anchor return type from {value!r}. Fix: give 'All', "
                          f"'Final', 'Sum' or ('EveryN', N).")
 
     def __repr__(self) -> str:
@@ -84,9 +86,13 @@ class AnchorReturnType:
         n = self.period
         if n is None or (n <= batches_per_step and batches_per_step % n == 0):
             return None
-        divisors = [d for d in range(1, batches_per_step + 1) if batches_per_step % d == 0]
-        fix = f"use a period that divides {batches_per_step}: one of {divisors[:8]}" + (
-            " …" if len(divisors) > 8 else "") + "."
+        # a bounded search: the small divisors, then batches_per_step itself
+        small = [d for d in range(1, min(batches_per_step, 64) + 1) if batches_per_step % d == 0]
+        if batches_per_step <= 64 and len(small) <= 8:
+            listed = str(small)
+        else:
+            listed = "[" + ", ".join(map(str, small[:7])) + f", …, {batches_per_step}]"
+        fix = f"use a period that divides {batches_per_step}: one of {listed}."
         if n > batches_per_step:
             return (f"EveryN period {n} exceeds batches_per_step={batches_per_step} (PopART: "
                     f"'Return period must be <= to the number of batches per step').", fix)
@@ -130,14 +136,14 @@ def _count(value: object) -> int | None:
 def _positive(**factors: int) -> None:
     bad = {k: v for k, v in factors.items() if (_count(v) or 0) < 1}
     if bad:
-        raise ValueError(", ".join(f"{k}={v!r}" for k, v in bad.items())
+        raise ConfigError(", ".join(f"{k}={v!r}" for k, v in bad.items())
                          + " must be positive integers. Fix: pass counts of 1 or more.")
 
 
 def _tensor_shape(shape: Sequence[int]) -> tuple[int, ...]:
     dims = tuple(_count(d) for d in shape)
     if any(d is None or d < 0 for d in dims):
-        raise ValueError(f"tensor shape {tuple(shape)!r} must hold non-negative integers.")
+        raise ConfigError(f"tensor shape {tuple(shape)!r} must hold non-negative integers.")
     return dims  # type: ignore[return-value]
 
 
@@ -164,7 +170,7 @@ def anchor_leading_factors(art: AnchorReturnType | str | tuple, batches_per_step
               replication_factor=replication_factor)
     problem = art.batches_per_step_problem(batches_per_step)
     if problem:
-        raise ValueError(f"{problem[0]} Fix: {problem[1]}")
+        raise ConfigError(f"{problem[0]} Fix: {problem[1]}")
     names = {"All": ("batches_per_step", "accumulation_factor", "replication_factor"),
              "EveryN": ("batches_per_step/N", "accumulation_factor", "replication_factor"),
              }.get(art.name, ("replication_factor",))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._problems import PopartKitWarning, Problem, raise_errors
+from .errors import DataError, DataTypeError, short
 from .shapes import (
     AnchorReturnType,
     anchor_leading_factors,
@@ -48,7 +49,7 @@ def _dtype(value: Any) -> np.dtype:
     except TypeError:
         dtype = None
     if dtype is None or dtype.kind not in "biuf":
-        raise ValueError(f"unknown dtype {value!r}: host tensors are numbers or booleans. Fix: "
+        raise DataError(f"unknown dtype {short(value)}: host tensors are numbers or booleans. Fix: "
                          f"a numpy dtype ('float32', np.int32) or a PopART type name "
                          f"({', '.join(_POPART_DTYPES)}).")
     return dtype
@@ -65,9 +66,13 @@ class TensorSpec:
 
     def __init__(self, shape: Sequence[int], dtype: Any = "float32",
                  broadcast: bool = False) -> None:
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise DataTypeError(f"TensorSpec shape {short(shape)} must be a sequence of "
+                                f"non-negative integers.", rule="K-stepio-spec")
         dims = tuple(shape)
         if any(isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0 for d in dims):
-            raise ValueError(f"TensorSpec shape {shape!r} must hold non-negative integers.")
+            raise DataError(f"TensorSpec shape {short(shape)} must hold non-negative integers.",
+                            rule="K-stepio-spec")
         object.__setattr__(self, "shape", tuple(int(d) for d in dims))
         object.__setattr__(self, "dtype", _dtype(dtype))
         object.__setattr__(self, "broadcast", bool(broadcast))
@@ -85,7 +90,7 @@ def _spec(value: Any) -> TensorSpec:
         return TensorSpec(*value)
     if isinstance(value, Sequence) and not isinstance(value, str):
         return TensorSpec(value)
-    raise ValueError(f"expected a TensorSpec, (shape, dtype) or a shape, got {value!r}.")
+    raise DataError(f"expected a TensorSpec, (shape, dtype) or a shape, got {short(value)}.")
 
 
 def _problem(kind: str, name: str, message: str, fix: str, rule: str,
@@ -162,13 +167,26 @@ def _array_problems(kind: str, name: str, array: Any, spec: TensorSpec,
 
 
 def _name_problems(kind: str, given: Iterable[str], known: Mapping[str, Any]) -> list[Problem]:
+    if not isinstance(given, Mapping):
+        return [Problem(kind, f"{kind} must map tensor names to numpy arrays, got "
+                              f"{type(given).__name__}.", "pass a dict.", "K-stepio-type")]
     given = list(given)
+    wrong = [n for n in given if not isinstance(n, str)]
+    if wrong:
+        return [Problem(kind, f"{kind} names must be str, got {short(wrong)}.",
+                        "key the arrays by tensor name.", "K-stepio-type")]
     out = [_problem(kind, n, "is missing.", f"provide every one of {', '.join(known)}.",
                     "K-stepio-missing") for n in known if n not in given]
     out += [_problem(kind, n, f"is not one of this session's {kind} ({', '.join(known)}).",
                      "remove it, or declare it when building the StepIOFactory.",
                      "K-stepio-unknown") for n in given if n not in known]
     return out
+
+
+def _require_mapping(title: str, kind: str, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise DataTypeError(f"{title}: {kind} must map tensor names to numpy arrays, got "
+                            f"{type(value).__name__}. Fix: pass a dict.", rule="K-stepio-type")
 
 
 # The factors are asked for on every check of every run: keep the few combinations computed.
@@ -181,13 +199,29 @@ class StepIOFactory:
     def __init__(self, config: SessionConfig,
                  inputs: Mapping[str, TensorSpec | tuple] | None = None,
                  anchors: Mapping[str, tuple[TensorSpec | tuple, Any]] | None = None) -> None:
+        from .config import SessionConfig
+
+        wrong = []
+        if not isinstance(config, SessionConfig):
+            wrong.append(f"config must be a pk.SessionConfig, got {type(config).__name__}")
+        for what, table in (("inputs", inputs), ("anchors", anchors)):
+            if table is not None and not isinstance(table, Mapping):
+                wrong.append(f"{what} must map tensor names to specs, got {type(table).__name__}")
+            elif table and not all(isinstance(n, str) for n in table):
+                bad = [n for n in table if not isinstance(n, str)]
+                wrong.append(f"{what} names must be str, got {short(bad)}")
+        if wrong:
+            raise DataTypeError("StepIOFactory: " + "; ".join(wrong) + ".",
+                                rule="K-stepio-type")
         self.config = config
+        # inputs used as indices: {name: size indexed}; random inputs stay below it
+        self.index_sizes: dict[str, int] = {}
         problems: list[Problem] = []
         self.inputs: dict[str, TensorSpec] = {}
         for name, spec in (inputs or {}).items():
             try:
                 self.inputs[name] = _spec(spec)
-            except ValueError as err:
+            except (ValueError, TypeError) as err:
                 problems.append(_problem("inputs", name, str(err), "give TensorSpec(shape, dtype).",
                                          "K-stepio-spec"))
         self.anchors: dict[str, tuple[TensorSpec, AnchorReturnType]] = {}
@@ -260,9 +294,10 @@ class StepIOFactory:
     # -- making arrays --------------------------------------------------------------------------
 
     def allocate_inputs(self, fill: str = "zeros", seed: int = 0) -> dict[str, np.ndarray]:
-        """One run's input arrays, zeros or random (normal floats, small ints, random bools)."""
+        """One run's input arrays, zeros or random (normal floats, small ints - below the size
+        they index for index inputs - random bools)."""
         if fill not in ("zeros", "random"):
-            raise ValueError(f"fill={fill!r}: use 'zeros' or 'random'.")
+            raise DataError(f"fill={fill!r}: use 'zeros' or 'random'.")
         rng = np.random.default_rng(seed)
         out = {}
         for name, spec in self.inputs.items():
@@ -272,7 +307,8 @@ class StepIOFactory:
             elif spec.dtype == np.bool_:
                 out[name] = rng.integers(0, 2, shape).astype(np.bool_)
             elif np.issubdtype(spec.dtype, np.integer):
-                out[name] = rng.integers(0, 10, shape).astype(spec.dtype)
+                high = min(10, self.index_sizes.get(name, 10))
+                out[name] = rng.integers(0, max(high, 1), shape).astype(spec.dtype)
             else:
                 out[name] = rng.standard_normal(shape).astype(spec.dtype)
         return out
@@ -285,6 +321,7 @@ class StepIOFactory:
     def from_samples(self, samples: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Arrays of one run's micro-batches in PopART's order (batch, then accumulation step,
         then replica, then the tensor) as canonical arrays: views, never copies."""
+        _require_mapping("StepIOFactory.from_samples", "inputs", samples)
         problems = _name_problems("inputs", samples, self.inputs)
         out = {}
         for name, array in samples.items():
@@ -326,6 +363,7 @@ class StepIOFactory:
                      require_all: bool = True) -> None:
         """Refuse (one ValueError listing every problem) inputs PopART would misread or reject:
         missing or unknown names, wrong shape (which axis, and each factor), dtype, layout."""
+        _require_mapping("StepIOFactory.check_inputs", "inputs", arrays)
         problems = _name_problems("inputs", arrays, self.inputs if require_all else {
             n: s for n, s in self.inputs.items() if n in arrays})
         for name, array in arrays.items():
@@ -337,6 +375,7 @@ class StepIOFactory:
 
     def check_anchors(self, arrays: Mapping[str, Any]) -> None:
         """The same for anchor arrays, which must also be writable."""
+        _require_mapping("StepIOFactory.check_anchors", "anchors", arrays)
         problems = _name_problems("anchors", arrays, self.anchors)
         for name, array in arrays.items():
             if name in self.anchors:
@@ -361,6 +400,9 @@ class StepIOFactory:
         A share is copied into fresh memory, or into ``out`` (this instance's arrays, e.g. from
         allocate_inputs) to reuse buffers run after run; a share that is already contiguous is
         returned as a view when no ``out`` is given."""
+        _require_mapping("StepIOFactory.shard", "inputs", global_arrays)
+        if out is not None:
+            _require_mapping("StepIOFactory.shard", "out", out)
         rep = self.config.replication
         total = rep.global_replicas
         problems = _name_problems("inputs", global_arrays, self.inputs)
@@ -395,9 +437,12 @@ class StepIOFactory:
 
     def replica(self, arrays: Mapping[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
         """Views of what local replica ``r`` receives at each (batch, accumulation step)."""
-        index = None if isinstance(r, bool) else operator.index(r)
+        try:
+            index = None if isinstance(r, bool) else operator.index(r)
+        except TypeError:
+            index = None
         if index is None or not 0 <= index < self._replicas:
-            raise ValueError(f"replica {r!r} does not exist: this instance runs "
+            raise DataError(f"replica {short(r)} does not exist: this instance runs "
                              f"{self._replicas} local replica(s), 0..{self._replicas - 1}.")
         r = index
         self.check_inputs(arrays, require_all=False)
@@ -522,13 +567,13 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         raise_errors("StepIOFactory.batches", problems)
         sizes = {s.shape[0] for s in factory.inputs.values()}
         if len(sizes) > 1:
-            raise ValueError(f"inputs disagree on the micro-batch size (first dimension): "
+            raise DataError(f"inputs disagree on the micro-batch size (first dimension): "
                              f"{ {n: s.shape[0] for n, s in factory.inputs.items()} }. Fix: give "
                              f"every input the same leading dimension.")
         cfg = factory.config
         self.micro_batch_size = sizes.pop() if sizes else 0
         if self.micro_batch_size < 1:
-            raise ValueError("batches() needs at least one input, each with a micro-batch axis "
+            raise DataError("batches() needs at least one input, each with a micro-batch axis "
                              "of at least 1 sample (S[0]).")
         self.samples_per_run = (cfg.batches_per_step * cfg.accumulation.factor
                                 * cfg.replication.global_replicas * self.micro_batch_size)
@@ -538,54 +583,99 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         self.dropped = 0
         self._done = False
 
-    def _sample(self, raw: Any) -> Mapping[str, Any]:
-        if isinstance(raw, Mapping):
-            return raw
-        if len(self._factory.inputs) == 1:
-            return {next(iter(self._factory.inputs)): raw}
-        raise ValueError(f"a sample must map input names ({', '.join(self._factory.inputs)}) "
-                         f"to arrays, got {type(raw).__name__}.")
+    def _sample(self, index: int, raw: Any) -> Mapping[str, Any]:
+        names = self._factory.inputs
+        if not isinstance(raw, Mapping):
+            if len(names) == 1:
+                return {next(iter(names)): raw}
+            raise DataTypeError(f"sample {index} of this run is a {type(raw).__name__}; a sample "
+                                f"must map input names ({', '.join(names)}) to arrays.",
+                                rule="K-stepio-sample")
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise DataError(f"sample {index} of this run has no {', '.join(map(repr, missing))} "
+                            f"(it has {short(list(raw))}). Fix: give every sample every input "
+                            f"({', '.join(names)}).", rule="K-stepio-sample")
+        return raw
+
+    def _drop(self, count: int, why: str) -> None:
+        self.dropped += count
+        if count:
+            warnings.warn(f"{count} samples {why} and were dropped ({self.dropped} in all).",
+                          PopartKitWarning, stacklevel=3)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._done:
             raise StopIteration
-        taken = []
-        for raw in self._samples:
-            taken.append(self._sample(raw))
-            if len(taken) == self.samples_per_run:
-                break
-        if len(taken) < self.samples_per_run or not taken:
+        taken: list[Any] = []
+        try:
+            for raw in self._samples:
+                taken.append(raw)
+                if len(taken) == self.samples_per_run:
+                    break
+        except Exception:
             self._done = True
-            self.dropped = len(taken)
-            if self.dropped:
-                warnings.warn(f"{self.dropped} samples at the end of the dataset do not fill a "
-                              f"run of {self.samples_per_run} and were dropped.",
-                              PopartKitWarning, stacklevel=2)
+            self._drop(len(taken), "taken before the dataset raised an error")
+            raise
+        if len(taken) < self.samples_per_run:
+            self._done = True
+            self._drop(len(taken), f"at the end of the dataset do not fill a run of "
+                                   f"{self.samples_per_run}")
             raise StopIteration
+        try:
+            run = self._assemble(taken)
+        except Exception:
+            self._drop(len(taken), "could not be made into a run")
+            raise
+        self.runs += 1
+        return run
+
+    def _assemble(self, taken: list[Any]) -> dict[str, np.ndarray]:
+        samples = [self._sample(i, raw) for i, raw in enumerate(taken)]
         factory = self._factory
         stacked = {}
         for name, spec in factory.inputs.items():
-            block = np.stack([np.asarray(s[name]) for s in taken])
+            try:
+                block = np.stack([np.asarray(s[name]) for s in samples])
+            except ValueError:
+                shapes = sorted({np.shape(s[name]) for s in samples})
+                raise DataError(f"input {name!r}: samples of different shapes {short(shapes)}, "
+                                f"expected {spec.shape[1:]}. Fix: yield one sample at a time, "
+                                f"each of shape S[1:].", rule="K-stepio-sample") from None
             if block.shape[1:] != spec.shape[1:]:
-                raise ValueError(f"input {name!r}: samples of shape {block.shape[1:]}, expected "
-                                 f"{spec.shape[1:]} (S={spec.shape} without its micro-batch "
-                                 f"axis). Fix: yield one sample at a time.")
+                raise DataError(f"input {name!r}: samples of shape {block.shape[1:]}, expected "
+                                f"{spec.shape[1:]} (S={spec.shape} without its micro-batch "
+                                f"axis). Fix: yield one sample at a time.",
+                                rule="K-stepio-sample")
             block = _cast_exactly(name, block, spec.dtype)
             stacked[name] = block.reshape(input_shape(
                 spec.shape, factory._bps, factory._accumulation,
                 factory.config.replication.global_replicas))
-        self.runs += 1
         return factory.shard(stacked)
 
 
-
 def _cast_exactly(name: str, block: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``block`` as ``dtype`` when no value changes kind or range (float -> int never)."""
+    """``block`` as ``dtype`` when no value changes kind or leaves the range of ``dtype``:
+    float -> int never, integers only when every value is kept, floats only when no finite
+    value overflows to infinity (rounding to the nearest ``dtype`` value is kept)."""
     if block.dtype == dtype:
         return block
-    converted = block.astype(dtype)
-    if not np.can_cast(block.dtype, dtype, "same_kind") or (
-            dtype.kind in "biu" and not np.array_equal(converted, block)):
-        raise ValueError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
-                         f"without changing values. Fix: yield samples of dtype {dtype}.")
+    if not np.can_cast(block.dtype, dtype, "same_kind"):
+        raise DataError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
+                        f"without changing values (a change of kind). Fix: yield samples of "
+                        f"dtype {dtype}.",
+                        rule="K-stepio-cast")
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = block.astype(dtype)
+    if dtype.kind in "biu":
+        changed = converted != block
+    else:
+        changed = np.isfinite(block) & ~np.isfinite(converted)
+    if np.any(changed):
+        bad = block[changed]
+        raise DataError(f"input {name!r}: samples of dtype {block.dtype} do not fit {dtype} "
+                        f"without changing values: {bad.size} would change "
+                        f"({short(bad.ravel()[:5].tolist())}). Fix: yield samples of dtype "
+                        f"{dtype} within its range.",
+                        rule="K-stepio-cast")
     return converted

@@ -41,7 +41,7 @@ def test_plan_of_another_instance(capsys):
 
 
 def test_plan_rejects_a_missing_instance(capsys):
-    assert main(["plan", str(CONFIGS / "pod_instance1_of4.yaml"), "--instance", "4"]) == 1
+    assert main(["plan", str(CONFIGS / "pod_instance1_of4.yaml"), "--instance", "4"]) == 2
     assert "instance 4 does not exist" in capsys.readouterr().err
 
 
@@ -50,7 +50,7 @@ def test_plan_lists_every_problem(tmp_path, capsys):
     bad.write_text('mode = "inference"\nbatches_per_step = 2\nipus_per_replica = 2\n'
                    '[accumulation]\nfactor = 4\n[pipeline]\nenabled = true\nstages = 4\n'
                    '[popart_options]\nenableOutlinning = false\n')
-    assert main(["plan", str(bad)]) == 1
+    assert main(["plan", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "3 problems" in err
     for loc in ("accumulation.factor", "batches_per_step", "popart_options.enableOutlinning"):
@@ -66,12 +66,12 @@ def test_plan_of_another_instance_prints_no_raw_warning(capsys):
 def test_plan_reports_a_malformed_file(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: [training\n")
-    assert main(["plan", str(bad)]) == 1
+    assert main(["plan", str(bad)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
 
 
 def test_plan_reports_an_unreadable_file(tmp_path, capsys):
-    assert main(["plan", str(tmp_path / "missing.toml")]) == 1
+    assert main(["plan", str(tmp_path / "missing.toml")]) == 2
     assert "missing.toml" in capsys.readouterr().err
 
 
@@ -121,7 +121,7 @@ def test_check_against_a_config(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('mode = "training"\nipus_per_replica = 2\n[accumulation]\nfactor = 4\n'
                    '[pipeline]\nenabled = true\n')
-    assert main(["check", str(model), "--config", str(bad)]) == 1
+    assert main(["check", str(model), "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "IPU(s) [2]" in err and "below the pipeline depth 5" in err
 
@@ -135,13 +135,13 @@ def test_check_reports_a_broken_model(tmp_path, capsys):
         if attr.name == "__pipeline_stage":
             attr.i = 0  # stage 0 on IPUs 1 and 0
     onnx.save(proto, model)
-    assert main(["check", str(model)]) == 1
+    assert main(["check", str(model)]) == 2
     assert "stage 0 has ops on IPUs [0, 1]" in capsys.readouterr().err
-    assert main(["check", str(tmp_path / "none.onnx")]) == 1
+    assert main(["check", str(tmp_path / "none.onnx")]) == 2
 
 
 def test_check_reports_a_file_that_is_not_a_model(tmp_path, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00 not a protobuf \xff")
-    assert main(["check", str(bad)]) == 1
+    assert main(["check", str(bad)]) == 2
     assert "is not an ONNX model" in capsys.readouterr().err

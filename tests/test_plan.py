@@ -165,7 +165,7 @@ def test_host_targets_do_not_round():
 
 
 def test_sync_groups_of_the_figure():
-    # shared/seeds/syncpatterns.png: four IPUs A, B, C, D = 0, 1, 2, 3
+    # PopART's sync-pattern figure: four IPUs A, B, C, D = 0, 1, 2, 3
     assert sync_groups("full", 4) == {"GS1": [[0, 1, 2, 3]], "GS2": [[0, 1, 2, 3]]}
     assert sync_groups("single_pipeline", 4) == {"GS1": [[0], [1], [2], [3]],
                                                  "GS2": [[0, 1, 2, 3]]}

@@ -1,4 +1,4 @@
-"""PopART's host-array layout rules (shared/reference/popart-stepio-builder.md §1-2)."""
+"""PopART's host-array layout rules (PyStepIO and initAnchorArrays shapes)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ Every ``setattr`` on a ``SessionOptions`` (and on every struct) is recorded, in 
 constructors check; :func:`stepio_arrays` and :func:`stepio_callbacks` read back what they hold.
 :func:`first_run_check` is PopART's first ``Session.run`` check of a PyStepIO (element counts,
 dtypes), and :func:`simulate_run` drives a PyStepIOCallback as PopART's StepIOSplitter does
-(shared/reference/popart-stepio-builder.md §1.1, §1.5, §3).
+(PopART's stepio.cpp, stepiosplitter.cpp and session.py).
 
 ``AnchorReturnType``, ``DataFlow`` and ``PyWeightsIO`` take the manifest's constructor overloads
 (resolved as pybind11 does) and raise PopART's constructor errors (willow/src/dataflow.cpp,

@@ -1,7 +1,7 @@
 """Contract tests: the StepIO objects popart_kit builds are what PopART's PyStepIO and
 PyStepIOCallback take, and feed/receive the right micro-batches in PopART's call order.
 
-Facts: shared/reference/popart-stepio-builder.md §1-3 (canonical layout ``[bps, A, R, *S]``,
+Facts from PopART's stepio and stepiosplitter code (canonical layout ``[bps, A, R, *S]``,
 Broadcast drops R on inputs only; callback call k of a tensor is micro-batch
 ``(b, a) = divmod(k // R, A)``, replica ``k % R``). The expected values below are computed
 here from those facts, not with popart_kit's shape helpers.

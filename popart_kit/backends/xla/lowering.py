@@ -15,7 +15,9 @@ Tensors are of three kinds:
 
 Every node is validated before anything runs: an unknown operator, an attribute value the table
 refuses, or a compile-time input that is not a constant is reported, all of them in one
-:class:`UnsupportedModel`, naming each node (its name, else its first output) and op type.
+:class:`UnsupportedModel`, naming each node (its name, else its first output) and op type. A node
+that fails while evaluating (a shape mistake JAX finds) raises :class:`NodeFailed` naming the node,
+its op type and its input shapes.
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ...errors import ModelError, clip
 from ...layout import load_model
 from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
 
-__all__ = ["LoweredGraph", "UnsupportedModel", "lower", "unsupported"]
+__all__ = ["LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(ModelError):
     """The model uses operators, attributes or input forms the xla backend does not run; one
     message per problem, in ``problems``."""
+
+    rule = "K-xla-unsupported"
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
@@ -48,6 +53,20 @@ class UnsupportedModel(ValueError):
                          f"problem(s)):\n{lines}\nFix: express these nodes with the operators "
                          f"and attribute values the xla backend implements (see "
                          f"popart_kit.backends.xla.ops.OPS), or run on the popart backend.")
+
+
+class NodeFailed(ModelError):
+    """A node the xla backend could not evaluate with the inputs it was given (a shape or type
+    mistake in the model): names the node, its op type and its input shapes."""
+
+    rule = "K-xla-node-failed"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "(omitted)"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return f"{tuple(shape)} {dtype}" if shape is not None else type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -140,16 +159,29 @@ class LoweredGraph:
                                        f"{list(self.inputs)}.")
                     env[name] = shifted(name, jnp.asarray(inputs[name]))
             args = [env[name] if name else None for name in node.inputs]
-            if node.static:
-                with jax.ensure_compile_time_eval():
-                    results = tuple(np.asarray(r) for r in node.op(node.ctx.with_values(args),
-                                                                  *args))
-            else:
-                results = node.op(node.ctx.with_values(args), *args)
+            try:
+                if node.static:
+                    with jax.ensure_compile_time_eval():
+                        results = tuple(np.asarray(r)
+                                        for r in node.op(node.ctx.with_values(args), *args))
+                else:
+                    results = node.op(node.ctx.with_values(args), *args)
+            except ModelError:
+                raise
+            except NotSupported as err:
+                raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"]) from err
+            except Exception as err:  # JAX's shape and type errors do not name the node
+                shapes = ", ".join(f"{n or '(omitted)'}: {_describe(a)}"
+                                   for n, a in zip(node.inputs, args, strict=True))
+                raise NodeFailed(
+                    f"node {node.label} ({node.ctx.op_type}) cannot be computed from its inputs "
+                    f"[{clip(shapes, 400)}]: {type(err).__name__}: {clip(str(err), 400)} Fix: "
+                    f"correct the shapes or types feeding this node (onnx.checker with shape "
+                    f"inference finds most such mistakes).") from err
             missing = [name for i, name in enumerate(node.outputs) if name and i >= len(results)]
             if missing:
-                raise NotSupported(f"{node.label} ({node.ctx.op_type}): outputs {missing} are "
-                                   f"not computed by the xla backend")
+                raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): outputs {missing} "
+                                        f"are not computed by the xla backend"])
             env.update((name, shifted(name, value))
                        for name, value in zip(node.outputs, results, strict=False) if name)
         out = {}
@@ -208,7 +240,11 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
         if value.name in initializers:
             continue
         try:
-            inputs[value.name] = _value_type(value)
+            found = _value_type(value)
+            if found[0] is None:
+                raise NotSupported("its rank is unknown (no shape); the xla backend, like "
+                                   "PopART, compiles static shapes: give it one")
+            inputs[value.name] = found
         except NotSupported as err:
             problems.append(f"graph input {value.name!r}: {err}")
             unusable.add(value.name)

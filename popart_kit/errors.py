@@ -1,0 +1,169 @@
+"""The kit's exceptions: one tree, so ``except pk.PopartKitError`` catches every refusal.
+
+::
+
+    ValueError
+    └── PopartKitError            anything the kit refuses; ``.rules`` holds the rule ids
+        ├── ConfigError           a configuration: SessionConfig, its sections, config files,
+        │   │                     POPDIST_* variables, optimizer settings, session arguments
+        │   └── ConfigTypeError   an argument of the wrong type (also a TypeError)
+        ├── ModelError            an ONNX model: checker and graph problems, stage annotations,
+        │   │                     what a backend cannot lower
+        │   └── ModelTypeError    not a model at all (also a TypeError)
+        ├── DataError             host data: arrays, samples, index ranges, values a cast changes
+        │   └── DataTypeError     data of the wrong type (also a TypeError)
+        └── Invalid               a list of violated rules, pydantic-style (also a pydantic
+            │                     ``ValidationError``: ``.errors()``, ``type=popart_kit.<rule>``)
+            ├── InvalidConfig     (also a ConfigError)
+            ├── InvalidModel      (also a ModelError)
+            └── InvalidData       (also a DataError)
+
+Messages quote values through :func:`short`, so an error about a huge or deeply nested value stays
+small and quick to print.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+__all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
+           "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
+           "InvalidData", "short", "clip"]
+
+
+class PopartKitError(ValueError):
+    """Something the kit refused. ``rule`` (when known) is the id of the violated rule."""
+
+    rule: str | None = None
+
+    def __init__(self, *args: Any, rule: str | None = None) -> None:
+        super().__init__(*args)
+        if rule is not None:
+            self.rule = rule
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """Ids of every violated rule this error reports."""
+        return (self.rule,) if self.rule else ()
+
+
+class ConfigError(PopartKitError):
+    """A configuration the kit refuses (SessionConfig, files, POPDIST_*, optimizer settings)."""
+
+
+class ModelError(PopartKitError):
+    """An ONNX model the kit refuses (invalid graph, annotations, ops a backend cannot run)."""
+
+
+class DataError(PopartKitError):
+    """Host data the kit refuses (wrong type, shape, dtype, range, or a value a cast changes)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration argument of the wrong type (a dict where a SessionConfig belongs, ...)."""
+
+
+class ModelTypeError(ModelError, TypeError):
+    """Something given as a model that is not one (not a ModelProto, bytes or a path)."""
+
+
+class DataTypeError(DataError, TypeError):
+    """Host data of the wrong type (a list where an array belongs, a non-string name, ...)."""
+
+
+class Invalid(PopartKitError, ValidationError):
+    """Every violated rule at once, as a pydantic ValidationError whose entries have the type
+    ``popart_kit.<rule id>``. Make one with :meth:`of` (never directly)."""
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return tuple(e["type"].removeprefix("popart_kit.") for e in self.errors()
+                     if e["type"].startswith("popart_kit."))
+
+    @classmethod
+    def of(cls, title: str, entries: list[tuple[str, tuple, str, Any]]) -> Invalid:
+        """An error of this class from ``(type, loc, message, value)`` entries."""
+        return cls.from_exception_data(title, [
+            InitErrorDetails(type=PydanticCustomError(kind, "{text}", {"text": text}),
+                             loc=tuple(loc), input=shortened(value))
+            for kind, loc, text, value in entries])
+
+    @classmethod
+    def wrap(cls, err: ValidationError) -> Invalid:
+        """``err`` (pydantic's) as this class, every entry, type and location kept."""
+        if isinstance(err, cls):
+            return err
+        return cls.of(err.title, [(e["type"], e["loc"], e["msg"], e.get("input"))
+                                  for e in err.errors(include_url=False)])
+
+    @classmethod
+    def wrap_titled(cls, err: ValidationError, title: str) -> Invalid:
+        """``err`` as this class under another title (e.g. the file the values came from)."""
+        return cls.of(title, [(e["type"], e["loc"], e["msg"], e.get("input"))
+                              for e in err.errors(include_url=False)])
+
+
+class InvalidConfig(ConfigError, Invalid):
+    """Every problem of a configuration at once."""
+
+
+class InvalidModel(ModelError, Invalid):
+    """Every problem of a model at once."""
+
+
+class InvalidData(DataError, Invalid):
+    """Every problem of some host data at once."""
+
+
+# -- bounded quoting -----------------------------------------------------------------------------
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 6
+_REPR.maxlong = 40
+
+
+def _big_int(value: int) -> str | None:
+    bits = value.bit_length()
+    if bits <= 128:
+        return None
+    return f"{'-' if value < 0 else ''}<an integer of {bits} bits, about 2**{bits - 1}>"
+
+
+def short(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` bounded in length, depth and item count, whatever ``value`` holds
+    (shared or cyclic references, huge integers, deep nesting); never raises."""
+    try:
+        if isinstance(value, int) and not isinstance(value, bool):
+            big = _big_int(value)
+            if big:
+                return big
+        text = _REPR.repr(value)
+    except Exception:  # a broken __repr__, or an int too long to print
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _repr_int(self: reprlib.Repr, x: int, level: int) -> str:
+    return _big_int(x) or reprlib.Repr.repr_int(self, x, level)
+
+
+_REPR.repr_int = _repr_int.__get__(_REPR)  # type: ignore[method-assign]
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def shortened(value: Any) -> Any:
+    """``value`` itself when it prints short, else its bounded repr (for error entries)."""
+    if value is None or isinstance(value, bool | float) or (
+            isinstance(value, int) and value.bit_length() <= 128):
+        return value
+    if isinstance(value, str) and len(value) <= 120:
+        return value
+    return short(value)
