@@ -34,9 +34,11 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from ._problems import Problem, raise_errors
+from .config import _Model
+from .errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:  # the update maths imports JAX only when a session runs it
     import jax
@@ -65,15 +67,16 @@ def _compute_dtype(dtype: Any) -> Any:
 _FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 
 
-class _Optimizer(BaseModel):
+class _Optimizer(_Model):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     def __init__(self, learning_rate: Any = None, /, **data: Any) -> None:
         # SGD(0.1, momentum=0.9) as well as SGD(learning_rate=0.1, ...)
         if learning_rate is not None:
             if "learning_rate" in data:
-                raise TypeError(f"{type(self).__name__}: learning_rate given both by position "
-                                f"and by keyword. Fix: give it once.")
+                raise ConfigTypeError(f"{type(self).__name__}: learning_rate given both by "
+                                      f"position and by keyword. Fix: give it once.",
+                                      rule="K-optimizer-arguments")
             data["learning_rate"] = learning_rate
         super().__init__(**data)
 
@@ -116,22 +119,24 @@ class _Optimizer(BaseModel):
     def _hyper(self, hyper: Mapping[str, Any]) -> dict[str, jax.Array]:
         """The runtime values, checked against the keys this program reads (a static check)."""
         import jax.numpy as jnp
+
         expected = set(self.hyperparameters())
         given = set(hyper)
         if given != expected:
             missing, extra = sorted(expected - given), sorted(given - expected)
-            raise ValueError(
+            raise ConfigError(
                 f"{type(self).__name__}.apply: hyper has keys {sorted(given)}; this program "
                 f"reads {sorted(expected)} (missing {missing}, unexpected {extra}). Fix: pass "
                 f"{{k: jnp.float32(v) for k, v in opt.hyperparameters().items()}} of an optimizer "
-                f"with the same program_key.")
+                f"with the same program_key.", rule="K-optimizer-hyper")
         return {k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()}
 
     @staticmethod
     def _check_trees(weights: Mapping[str, Any], grads: Mapping[str, Any]) -> None:
         if set(weights) != set(grads):
-            raise ValueError(f"apply: weights {sorted(weights)} and grads {sorted(grads)} name "
-                             f"different tensors. Fix: pass one gradient per weight.")
+            raise ConfigError(f"apply: weights {sorted(weights)} and grads {sorted(grads)} name "
+                              f"different tensors. Fix: pass one gradient per weight.",
+                              rule="K-optimizer-trees")
 
 
 class SGD(_Optimizer):

@@ -201,12 +201,15 @@ def test_a_non_finite_update_is_refused_and_nothing_is_applied():
     before = sess.weights()
     poisoned = {k: v.copy() for k, v in inputs.items()}
     poisoned["x"][1, 0, 0, 0, 0, 0] = np.nan  # update 1 of 2
-    with pytest.raises(NonFiniteUpdate, match=r"NaN or Inf in the loss of weight update 1 "
+    with pytest.raises(pk.DataError, match=r"NaN or Inf in the loss of weight update 1 "
                                               r"\(of 2\) and in the updated weight\(s\) 'k', "
                                               r"'w'.*no update of the run was applied"):
         sess.run(poisoned)
     for name, value in before.items():
         np.testing.assert_array_equal(sess.weights()[name], value)
+    with pytest.raises(NonFiniteUpdate) as err:
+        sess.run(poisoned)
+    assert err.value.rule == "K-nonfinite-update"
     unchecked = _session(check_finite=False)
     unchecked.run(poisoned)
     assert np.isnan(unchecked.weights()["k"]).all()
@@ -230,6 +233,13 @@ def test_xla_options_are_refused_by_the_popart_backend():
     with pytest.raises(ValueError, match="micro_batches_per_chunk=2: only the xla backend"):
         pk.InferenceSession(model, cfg(), anchors={probs: "All"}, backend="popart",
                             popart=object(), micro_batches_per_chunk=2)
+
+
+def test_optimizer_refusals_are_the_kits_errors():
+    with pytest.raises(pk.PopartKitError, match="learning_rate=inf is not a finite number"):
+        pk.SGD(learning_rate=float("inf"))
+    with pytest.raises(pk.ConfigTypeError, match="given both by position and by keyword"):
+        pk.Adam(0.1, learning_rate=0.2)
 
 
 def test_a_bad_chunk_is_refused():

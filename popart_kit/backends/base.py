@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import onnx
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from ..config import SessionConfig
     from ..shapes import AnchorReturnType
@@ -84,16 +86,18 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
     the xla backend only: the popart backend refuses them."""
     xla_options = {k: v for k, v in xla_options.items() if v is not None}
     if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.")
+        raise ConfigError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.",
+                          rule="K-session-type")
     if name == "auto":
         name = "popart" if popart is not None or _sdk_importable() else "xla"
     if name == "popart":
         from .popart_sdk import PopartBackend
 
         if xla_options:
-            raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in xla_options.items())}: "
+            raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in xla_options.items())}: "
                              f"only the xla backend takes these (PopART has no equivalent). "
-                             f"Fix: leave them out with backend={name!r}.")
+                             f"Fix: leave them out with backend={name!r}.",
+                              rule="K-xla-only")
         return PopartBackend(model, config, anchors, popart, loss=loss, optimizer=optimizer)
     if loss is not None:
         from .xla.training import XlaTrainingBackend

@@ -19,6 +19,7 @@ from .. import _names
 from .._mapping import import_popart
 from .._problems import Problem, raise_errors
 from ..builder import broadcast_inputs
+from ..errors import ConfigError
 from ..shapes import AnchorReturnType
 from ..stepio import StepIOFactory, TensorSpec
 from .base import check_weights
@@ -120,14 +121,15 @@ class PopartBackend:
 
     def _refuse_offline(self, what: str) -> None:
         if self._offline:
-            raise ValueError(f"device.target='offline' compiles without an IPU and cannot "
-                             f"{what}. Fix: use target='ipu' to run, or backend='xla'.")
+            raise ConfigError(f"device.target='offline' compiles without an IPU and cannot "
+                              f"{what}. Fix: use target='ipu' to run, or backend='xla'.",
+                              rule="K-offline-run")
 
     def _need_variables(self) -> None:
         if not self._weights_are_variables:
-            raise ValueError("popart_options sets constantWeights=True, so PopART folded the "
-                             "weights into constants. Fix: remove constantWeights to read or "
-                             "write weights.")
+            raise ConfigError("popart_options sets constantWeights=True, so PopART folded the "
+                              "weights into constants. Fix: remove constantWeights to read or "
+                              "write weights.", rule="K-constant-weights")
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._refuse_offline("run")

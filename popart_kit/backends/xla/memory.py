@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import jax
 
 from ..._problems import Problem, raise_errors
+from ...errors import InvalidConfig
 
 __all__ = ["available_bytes", "check_fits", "human"]
 
@@ -65,5 +66,5 @@ def check_fits(who: str, parts: Mapping[str, int], device: jax.Device, fix: str,
         largest = " Largest: " + ", ".join(f"{k} {human(v)}" for k, v in top) + "."
     raise_errors(who, [Problem(
         ("memory",), f"this step needs about {human(total)} ({listed}) but the {what} has "
-                     f"{human(free)} free.{largest}", fix, "K-memory")])
+                     f"{human(free)} free.{largest}", fix, "K-memory")], error=InvalidConfig)
     return total  # pragma: no cover - raise_errors raised

@@ -27,6 +27,8 @@ from jax._src import xla_bridge
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ...errors import ConfigError
+
 __all__ = ["REPLICA", "HOST_DEVICES", "Placement", "ensure_host_devices", "replica_devices",
            "use_compilation_cache"]
 
@@ -97,9 +99,9 @@ class Placement:
         self.replicas = replicas
         self.devices = list(devices) if devices is not None else replica_devices(replicas)
         if replicas % len(self.devices):
-            raise ValueError(f"{replicas} replicas cannot be split evenly over "
+            raise ConfigError(f"{replicas} replicas cannot be split evenly over "
                              f"{len(self.devices)} devices. Fix: use a device count that "
-                             f"divides the replica count.")
+                             f"divides the replica count.", rule="K-placement")
         self.per_device = replicas // len(self.devices)
         self.mesh = Mesh(np.array(self.devices), (REPLICA,))
         self.platform = self.devices[0].platform

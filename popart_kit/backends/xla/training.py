@@ -24,6 +24,7 @@ import onnx
 
 from ..._names import GRADIENT_PREFIX
 from ..._problems import Problem, raise_errors
+from ...errors import DataError
 from ...shapes import AnchorReturnType
 from .placement import REPLICA
 from .runtime import XlaBackend
@@ -32,8 +33,10 @@ from .steps import loop
 __all__ = ["XlaTrainingBackend", "NonFiniteUpdate"]
 
 
-class NonFiniteUpdate(ValueError):
+class NonFiniteUpdate(DataError):
     """A training run met a non-finite loss or gradient; its updates were not applied."""
+
+    rule = "K-nonfinite-update"
 
 
 class XlaTrainingBackend(XlaBackend):
