@@ -68,6 +68,8 @@ for _name, _members in {
                  "BOOL", "FLOAT", "FLOAT16", "BFLOAT16", "FLOAT8_143", "FLOAT8_152", "DOUBLE",
                  "COMPLEX64", "COMPLEX128", "STRING", "UNDEFINED"],
     "SGDAccumulatorAndMomentum": ["Combined", "Separate"],
+    "AutodiffStitchStrategy": ["RecomputeMinimal", "RecomputeAllNonInputs", "AddFwdOutputs",
+                               "SafeAddFwdOutputs"],
     "AdamMode": ["Adam", "AdamNoBias", "Lamb", "LambNoBias", "AdaMax"],
     "WeightDecayMode": ["Decay", "L2Regularization"],
     "OptimizerType": ["SGD", "Adam", "Adaptive", "NTYPES"],
