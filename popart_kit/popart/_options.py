@@ -121,10 +121,11 @@ class SessionOptions:
         raise AttributeError(f"'popart.SessionOptions' object has no attribute {name!r}")
 
     def enableExplicitIR(self, enable: bool) -> None:
-        """PopART's switch for explicit main loops, host copy ops and explicit pipelining."""
+        """PopART's switch (sessionoptions.hpp): host copy ops, explicit main loops and
+        explicit recomputation together."""
         self.useHostCopyOps = enable
         self.enableExplicitMainLoops = enable
-        self.explicitPipelining = enable and self.enablePipelining
+        self.explicitRecomputation = enable
 
     def getGlobalReplicationFactor(self) -> int:
         if self.enableDistributedReplicatedGraphs:
