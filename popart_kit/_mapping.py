@@ -76,6 +76,10 @@ def import_popart() -> Any:
             "Graphcore's popart module is not importable: it ships only inside the Poplar SDK "
             "(enable it with the SDK's enable.sh). The xla backend of popart_kit needs no SDK."
         ) from err
+    if getattr(popart, "IS_POPART_KIT", False):
+        raise ImportError(
+            "the module named popart is popart_kit.popart (PopART's API on popart_kit's xla "
+            "runtime, aliased by popart-kit run), not the Poplar SDK's PopART.")
     if not hasattr(popart, "SessionOptions"):
         raise ImportError(
             f"the module named popart at {getattr(popart, '__file__', '?')} is not Graphcore's "

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from ._onnx_ops import OpSignature, signatures
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 
@@ -241,13 +242,18 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
             value = numpy_helper.from_array(np.require(value, requirements="C"))
         elif op.op_type == "Cast" and attr_name == "to":
             value = _DTYPES[_dtype_name(value)]
+        elif attr_type == onnx.AttributeProto.FLOAT:  # PopART takes floats: gemm(.., 1, 1)
+            value = float(value)
+        elif attr_type == onnx.AttributeProto.FLOATS:
+            value = [float(v) for v in value]
         attrs[attr_name] = value
     ids = builder._add_node(op.op_type, inputs, outputs, attrs, name)
     return ids if op.returns_list else ids[0]
 
 
 class _AiGraphcore:
-    """``builder.aiGraphcore``: PopART's losses and gelu (domain ai.graphcore, opset 1)."""
+    """``builder.aiGraphcore``: PopART's losses, gelu and the operators of GRAPHCORE_OPS
+    (domain ai.graphcore, opset 1)."""
 
     version = 1
 
@@ -294,6 +300,48 @@ class _AiGraphcore:
         return self._builder._add_node("Gelu", list(args), 1, {}, debugContext,
                                        domain=AI_GRAPHCORE, custom_type=(source, source))[0]
 
+    def __getattr__(self, name: str) -> Any:
+        if name not in GRAPHCORE_OPS:
+            raise AttributeError(f"aiGraphcore has no operator {name!r}; popart_kit offers "
+                                 f"l1loss, nllloss, identityloss, gelu, "
+                                 f"{', '.join(GRAPHCORE_OPS)}.")
+        return functools.partial(self._op, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu"})
+
+    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str:
+        op_type, params, shape_rule = GRAPHCORE_OPS[method]
+        names = [p[0] for p in params] + ["debugContext"]
+        if len(rest) > len(names) or set(kwargs) - set(names):
+            raise TypeError(f"aiGraphcore.{method}(args, {', '.join(names)}): got "
+                            f"{len(rest)} positional and {sorted(kwargs)}")
+        given = dict(zip(names, rest, strict=False)) | kwargs
+        inputs = [args] if isinstance(args, str) else list(args)
+        attrs: dict[str, Any] = {}
+        for pname, kind, default in params:
+            value = given.get(pname, default)
+            if value is REQUIRED:
+                raise TypeError(f"aiGraphcore.{method}: missing argument {pname!r}.")
+            attrs[pname] = {"float": float, "int": int, "str": str}.get(
+                kind, lambda v: [int(i) for i in v])(value)
+        builder = self._builder
+        source = builder._types[inputs[0]].tensor_type if inputs and inputs[0] in \
+            builder._types else None
+        shape = ([d.dim_value for d in source.shape.dim]
+                 if source is not None and source.HasField("shape") else None)
+        if shape is not None and shape_rule == "reshape":
+            shape = list(attrs["shape"])
+        elif shape is not None and shape_rule == "subsample":
+            shape = [-(-d // s) for d, s in zip(shape, attrs["strides"], strict=False)]
+        elif shape is not None and shape_rule == "slice":
+            for axis, size in zip(attrs["axes"], attrs["sizes"], strict=True):
+                shape[axis] = size
+        out_type = helper.make_tensor_type_proto(
+            source.elem_type if source is not None else onnx.TensorProto.FLOAT, shape)
+        return builder._add_node(op_type, inputs, 1, attrs, given.get("debugContext", ""),
+                                 domain=AI_GRAPHCORE, out_type=out_type)[0]
+
 
 class Builder:
     """An ONNX model builder with popart.Builder's methods (see the module docstring)."""
@@ -337,7 +385,8 @@ class Builder:
 
     def _add_node(self, op_type: str, inputs: list[str], outputs: int, attrs: dict[str, Any],
                   name: str, domain: str = "", data: onnx.TensorProto | None = None,
-                  custom_type: tuple[str, str | None] | None = None) -> list[str]:
+                  custom_type: tuple[str, str | None] | None = None,
+                  out_type: onnx.TypeProto | None = None) -> list[str]:
         """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
         mistake fails here, naming the op."""
         unknown = [t for t in inputs if t not in self._types]
@@ -357,7 +406,8 @@ class Builder:
         node = helper.make_node(op_type, inputs, ids, name=node_name, domain=domain or None,
                                 **attrs)
         try:
-            types = (self._custom_types(ids[0], custom_type) if custom_type else
+            types = ({ids[0]: out_type} if out_type is not None else
+                     self._custom_types(ids[0], custom_type) if custom_type else
                      self._infer(node, domain))
         except onnx.shape_inference.InferenceError as err:
             for tensor in ids:
@@ -419,7 +469,11 @@ class Builder:
     def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
         array = np.require(initVal, requirements="C")
         tensor_id = self._next_id(debugContext or "init_input")
-        tensor = numpy_helper.from_array(array, tensor_id)
+        if array.dtype == np.float32:  # PopART stores FLOAT initializers in float_data
+            tensor = helper.make_tensor(tensor_id, onnx.TensorProto.FLOAT, array.shape,
+                                        array.reshape(-1))
+        else:
+            tensor = numpy_helper.from_array(array, tensor_id)
         value = helper.make_tensor_value_info(tensor_id, tensor.data_type, list(array.shape))
         self._graph.input.append(value)
         self._graph.initializer.append(tensor)
@@ -434,6 +488,12 @@ class Builder:
         value = onnx.ValueInfoProto(name=outputName)
         value.type.CopyFrom(self._types[outputName])
         self._graph.output.append(value)
+
+    def reshape_const(self, aiOnnx: Any, args: Sequence[str], shape: Sequence[int],
+                      debugContext: str = "") -> str:
+        """PopART's helper: a Reshape of ``args[0]`` to ``shape`` through an INT64 constant."""
+        new_shape = aiOnnx.constant(np.array(shape).astype(np.int64), debugContext + "_const")
+        return aiOnnx.reshape([args[0], new_shape], debugContext)
 
     def getInputTensorIds(self) -> list[str]:
         return [i.name for i in self._graph.input]

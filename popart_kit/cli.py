@@ -151,7 +151,18 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check)
     schema = commands.add_parser("schema", help="print the SessionConfig JSON Schema")
     schema.set_defaults(run=_schema)
+    run = commands.add_parser("run", help="run a PopART program unchanged: 'import popart' "
+                                          "gives popart_kit.popart (xla runtime, no IPU)")
+    run.add_argument("script", help="the Python program")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    run.set_defaults(run=_run_script)
     return parser
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    from .popart._script import run_script
+
+    return run_script(args.script, args.script_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1321,3 +1321,109 @@ def popart_nll(ctx: Ctx, probs: Any, label: Any) -> Any:
 @op("Gelu", domain=GRAPHCORE)
 def popart_gelu(ctx: Ctx, x: Any) -> Any:
     return _gelu(x)
+
+
+# -- the other ai.graphcore operators the Builder offers (popart_kit/_graphcore_ops.py) ---------
+
+
+@op("Scale", domain=GRAPHCORE)
+def popart_scale(ctx: Ctx, x: Any) -> Any:
+    return (x * ctx.attr("scale", 1.0)).astype(x.dtype)
+
+
+@op("ScaledAdd", domain=GRAPHCORE)
+def popart_scaled_add(ctx: Ctx, a: Any, b: Any, scale0: Any = None, scale1: Any = None) -> Any:
+    s0 = ctx.attr("scale0", 1.0) if scale0 is None else scale0
+    s1 = ctx.attr("scale1", 1.0) if scale1 is None else scale1
+    return (a * s0 + b * s1).astype(a.dtype)
+
+
+@op("Detach", domain=GRAPHCORE)
+def popart_detach(ctx: Ctx, x: Any) -> Any:
+    return lax.stop_gradient(x)
+
+
+@op("Nop", "PrintTensor", domain=GRAPHCORE)
+def popart_identity(ctx: Ctx, x: Any) -> Any:
+    return x
+
+
+@op("GeluErf", domain=GRAPHCORE)
+def popart_gelu_erf(ctx: Ctx, x: Any) -> Any:
+    return _gelu(x)
+
+
+@op("Swish", domain=GRAPHCORE)
+def popart_swish(ctx: Ctx, x: Any) -> Any:
+    return x * jax.nn.sigmoid(x)
+
+
+for _name, _fn in {"Atan2": jnp.arctan2, "Fmod": jnp.fmod, "Remainder": jnp.remainder,
+                   "BitwiseAnd": jnp.bitwise_and, "BitwiseOr": jnp.bitwise_or,
+                   "BitwiseXor": jnp.bitwise_xor,
+                   "BitwiseXnor": lambda a, b: jnp.bitwise_not(jnp.bitwise_xor(a, b))}.items():
+    op(_name, domain=GRAPHCORE)(functools.partial(lambda fn, ctx, a, b: fn(a, b), _fn))
+for _name, _fn in {"Expm1": jnp.expm1, "Log1p": jnp.log1p, "NearbyInt": jnp.rint,
+                   "BitwiseNot": jnp.bitwise_not,
+                   # PopART's Round rounds halves away from zero
+                   "Round": lambda x: jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)}.items():
+    op(_name, domain=GRAPHCORE)(functools.partial(lambda fn, ctx, x: fn(x).astype(x.dtype),
+                                                  _fn))
+
+
+@op("IncrementMod", domain=GRAPHCORE)
+def popart_increment_mod(ctx: Ctx, x: Any) -> Any:
+    return jnp.fmod(x + ctx.attr("increment"), ctx.attr("modulus")).astype(x.dtype)
+
+
+@op("Reshape", domain=GRAPHCORE)
+def popart_reshape(ctx: Ctx, x: Any) -> Any:
+    return jnp.reshape(x, tuple(ctx.attr("shape")))
+
+
+@op("Subsample", domain=GRAPHCORE)
+def popart_subsample(ctx: Ctx, x: Any) -> Any:
+    strides = list(ctx.attr("strides"))
+    return x[tuple(slice(None, None, s) for s in strides)]
+
+
+@op("Reverse", domain=GRAPHCORE)
+def popart_reverse(ctx: Ctx, x: Any) -> Any:
+    return jnp.flip(x, axis=tuple(ctx.attr("dimensions")))
+
+
+def _dynamic_starts(ctx: Ctx, x: Any, offset: Any) -> list[Any]:
+    starts: list[Any] = [0] * x.ndim
+    for i, axis in enumerate(ctx.attr("axes")):
+        starts[axis] = jnp.reshape(offset, (-1,))[i].astype(jnp.int32)
+    return starts
+
+
+def _dynamic_sizes(ctx: Ctx, x: Any) -> list[int]:
+    sizes = list(x.shape)
+    for axis, size in zip(ctx.attr("axes"), ctx.attr("sizes"), strict=True):
+        sizes[axis] = size
+    return sizes
+
+
+@op("DynamicSlice", domain=GRAPHCORE)
+def popart_dynamic_slice(ctx: Ctx, x: Any, offset: Any) -> Any:
+    return lax.dynamic_slice(x, _dynamic_starts(ctx, x, offset), _dynamic_sizes(ctx, x))
+
+
+@op("DynamicUpdate", domain=GRAPHCORE)
+def popart_dynamic_update(ctx: Ctx, x: Any, offset: Any, update: Any) -> Any:
+    return lax.dynamic_update_slice(x, update.astype(x.dtype), _dynamic_starts(ctx, x, offset))
+
+
+@op("DynamicZero", domain=GRAPHCORE)
+def popart_dynamic_zero(ctx: Ctx, x: Any, offset: Any, *_: Any) -> Any:
+    zeros = jnp.zeros(_dynamic_sizes(ctx, x), x.dtype)
+    return lax.dynamic_update_slice(x, zeros, _dynamic_starts(ctx, x, offset))
+
+
+@op("DynamicAdd", domain=GRAPHCORE)
+def popart_dynamic_add(ctx: Ctx, x: Any, offset: Any, update: Any) -> Any:
+    starts = _dynamic_starts(ctx, x, offset)
+    current = lax.dynamic_slice(x, starts, update.shape)
+    return lax.dynamic_update_slice(x, current + update.astype(x.dtype), starts)

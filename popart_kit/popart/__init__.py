@@ -1,0 +1,94 @@
+"""PopART's Python API on popart_kit, so PopART programs run unchanged without an IPU.
+
+``import popart_kit.popart as popart`` (or ``popart-kit run SCRIPT``, which makes ``import
+popart`` resolve here) gives PopART's names - Builder, TensorInfo, DataFlow, AnchorReturnType,
+SessionOptions, DeviceManager, InferenceSession, TrainingSession, PyStepIO, PyStepIOCallback,
+PyWeightsIO, SGD, ConstSGD, Adam, the enums, reservedGradientPrefix() and the other reserved
+prefixes, popart_exception - with PopART's signatures and defaults. Sessions run on the kit's
+xla runtime: replicated, accumulated and pipelined programs run on a CPU or GPU.
+
+What cannot change here: Patterns are accepted and recorded but the runtime lowers the ONNX
+graph itself, so they change nothing; options about Poplar (engineOptions, tile counts,
+outlining, memory proportions) are validated and kept but do not change the numbers;
+executables, reports and cycle counts do not exist (those methods raise popart_exception).
+"""
+
+from __future__ import annotations
+
+import logging as _logging
+import sys as _sys
+from typing import Any
+
+from ..builder import InputSettings, ReductionType, ReplicatedStreamMode
+from ._builder import Builder
+from ._core import (
+    ENUMS,
+    PREFIX_FUNCTIONS,
+    AnchorReturnType,
+    DataFlow,
+    InputShapeInfo,
+    Patterns,
+    PyStepIO,
+    PyStepIOCallback,
+    PyWeightsIO,
+    TensorInfo,
+    poplar_application_runtime_error,
+    poplar_exception,
+    poplar_recoverable_runtime_error,
+    poplar_runtime_error,
+    poplar_unrecoverable_runtime_error,
+    popart_exception,
+)
+from ._devices import DeviceInfo, DeviceManager
+from ._optimizers import SGD, Adam, ConstSGD, Optimizer, OptimizerValue
+from ._options import STRUCTS, SessionOptions
+
+# popart_kit marks this module so that backend "auto" never takes it for the Poplar SDK.
+IS_POPART_KIT = True
+__version__ = "3.4.0+popart_kit"
+defaultAiOnnxOpset = 10
+defaultAiGraphcoreOpset = 1
+popart_runtime_error = popart_exception
+popart_internal_exception = popart_exception
+
+_module = _sys.modules[__name__]
+for _name, _enum in ENUMS.items():
+    setattr(_module, _name, _enum)
+for _name, _struct in STRUCTS.items():
+    setattr(_module, _name, _struct)
+for _name, _fn in PREFIX_FUNCTIONS.items():
+    setattr(_module, _name, _fn)
+
+
+def versionString() -> str:
+    return __version__
+
+
+def getLogger(name: str = "all") -> Any:
+    """PopART's logger; here a standard Python logger (popart.<name>) with setLevel."""
+    logger = _logging.getLogger(f"popart.{name}")
+    set_level = logger.setLevel
+    logger.setLevel = lambda level: set_level(  # type: ignore[method-assign]
+        {"TRACE": "DEBUG", "OFF": "CRITICAL", "ERR": "ERROR", "WARN": "WARNING"}.get(
+            str(level).upper(), str(level).upper()))
+    return logger
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("InferenceSession", "TrainingSession"):
+        from . import _session  # the kit's sessions (and JAX) only when a session is made
+
+        return getattr(_session, name)
+    raise AttributeError(f"module 'popart' (popart_kit.popart) has no attribute {name!r}")
+
+
+__all__ = [
+    "Builder", "TensorInfo", "DataFlow", "AnchorReturnType", "InputShapeInfo", "Patterns",
+    "SessionOptions", "DeviceManager", "DeviceInfo", "InferenceSession", "TrainingSession",
+    "PyStepIO", "PyStepIOCallback", "PyWeightsIO", "SGD", "ConstSGD", "Adam", "Optimizer",
+    "OptimizerValue", "InputSettings", "ReductionType", "ReplicatedStreamMode",
+    "popart_exception", "poplar_exception", "poplar_runtime_error",
+    "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
+    "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
+    "getLogger", "versionString", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
+]

@@ -1,0 +1,33 @@
+"""Run a PopART program unchanged: ``import popart`` resolves to popart_kit.popart."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+
+def install_alias() -> None:
+    """Make ``import popart`` give popart_kit.popart in this process (a test suite's conftest
+    can call this; backend "auto" still never takes the alias for the Poplar SDK)."""
+    from .. import popart
+
+    sys.modules["popart"] = popart
+
+
+def run_script(script: str, args: Sequence[str] = ()) -> int:
+    """Run ``script`` as ``__main__`` with ``sys.argv = [script, *args]`` and the alias; the
+    script's directory comes first on sys.path, as ``python SCRIPT`` would put it."""
+    if not os.path.isfile(script):
+        print(f"popart-kit run: no such script {script!r}", file=sys.stderr)
+        return 2
+    install_alias()
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0

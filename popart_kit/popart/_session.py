@@ -1,0 +1,466 @@
+"""popart.InferenceSession and popart.TrainingSession over the kit's sessions (xla backend).
+
+A PopART session is made from (model, DataFlow, DeviceInfo, SessionOptions); here those become
+one SessionConfig (every configuration problem reported at once, as a popart_exception) and a
+``pk.InferenceSession`` / ``pk.TrainingSession``. PyStepIO arrays are read by element count in
+PopART's order ([bps, A, R, *S]) and anchors written back in place; PyStepIOCallback is asked
+for one micro-batch per replica at a time, micro-batch major and replica minor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .. import _names
+from ..config import SessionConfig
+from ..layout import PipelineLayout
+from ..session import InferenceSession as _KitInference
+from ..session import TrainingSession as _KitTraining
+from ._core import (
+    RESERVED_PREFIXES,
+    AnchorReturnType,
+    DataFlow,
+    PyStepIO,
+    PyStepIOCallback,
+    PyWeightsIO,
+    TensorInfo,
+    popart_exception,
+)
+from ._devices import DeviceInfo
+from ._optimizers import Optimizer
+from ._options import SessionOptions
+
+GRADIENT = RESERVED_PREFIXES["Gradient"]
+
+
+def _load(fnModel: Any) -> onnx.ModelProto:
+    if isinstance(fnModel, onnx.ModelProto):
+        return fnModel
+    if isinstance(fnModel, bytes):
+        return onnx.load_from_string(fnModel)
+    if isinstance(fnModel, str | os.PathLike):
+        if os.path.exists(fnModel):
+            return onnx.load(os.fspath(fnModel))
+        if isinstance(fnModel, str):
+            try:
+                return onnx.load_from_string(fnModel.encode("latin-1"))
+            except Exception:  # noqa: BLE001 - not a serialised model either
+                pass
+        raise popart_exception(f"Failed to load a ModelProto from {str(fnModel)[:80]!r}: not an "
+                               f"existing file nor a serialised model.")
+    raise TypeError(f"fnModel={fnModel!r}: give the bytes of builder.getModelProto(), a "
+                    f"path to an .onnx file or an onnx.ModelProto.")
+
+
+def _device_ipus(device: DeviceInfo, replicas: int, model: onnx.ModelProto,
+                 virtual: bool) -> int:
+    """IPUs per replica: the device's IPUs over the replicas (PopART's rule); host devices (CPU,
+    IPU Model) stretch to what the model's annotations use."""
+    needed = max(PipelineLayout.from_model(model).ipus_used, default=0) + 1
+    host = device.type.name in ("Cpu", "IpuModel")
+    if not virtual:
+        return 1
+    if not host and device.numIpus % replicas:
+        raise popart_exception(f"The device has {device.numIpus} IPUs, not a multiple of the "
+                               f"replication factor {replicas}. Fix: acquire replicas x IPUs "
+                               f"per replica ({replicas} x {needed} = {replicas * needed}) IPUs.")
+    per_replica = max(device.numIpus // replicas, 1)
+    if host:
+        return max(per_replica, needed)
+    if per_replica < needed:
+        raise popart_exception(f"The model places ops on {needed} IPUs per replica but the "
+                               f"device has {device.numIpus} IPUs for {replicas} replica(s). "
+                               f"Fix: acquire {replicas * needed} IPUs.")
+    return per_replica
+
+
+def _config(mode: str, opts: SessionOptions, flow: DataFlow, device: DeviceInfo,
+            model: onnx.ModelProto) -> SessionConfig:
+    if mode == "inference" and opts.enableGradientAccumulation:
+        raise popart_exception("Gradient Accumulation only available when training.")
+    replicas = opts.replicatedGraphCount if opts.enableReplicatedGraphs else 1
+    virtual = opts.virtualGraphMode.name != "Off" or opts.enablePipelining
+    try:
+        return SessionConfig.from_session_options(
+            opts.changed(), mode=mode, batches_per_step=flow.batchesPerStep(),
+            ipus_per_replica=_device_ipus(device, replicas, model, virtual),
+            device={"target": "offline",
+                    "sync_pattern": _names.kit_name(_names.SYNC_PATTERN,
+                                                    device.syncPattern.name)})
+    except popart_exception:
+        raise
+    except ValueError as err:
+        raise popart_exception(str(err)) from None
+
+
+def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - custom ops: keep what the model records
+        pass
+    out: dict[str, TensorInfo] = {}
+    for value in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        t = value.type.tensor_type
+        if t.elem_type and t.HasField("shape"):
+            out[value.name] = TensorInfo(onnx.TensorProto.DataType.Name(t.elem_type),
+                                         [d.dim_value for d in t.shape.dim])
+    for init in model.graph.initializer:
+        out[init.name] = TensorInfo(onnx.TensorProto.DataType.Name(init.data_type),
+                                    list(init.dims))
+    return out
+
+
+def _flat_into(name: str, target: np.ndarray, values: np.ndarray, kind: str) -> None:
+    if target.size != values.size:
+        raise popart_exception(f"Unexpected number of {kind} elements for Tensor {name}. "
+                               f"Expected {values.size}, but received {target.size}.")
+    if target.dtype != values.dtype:
+        raise popart_exception(f"Type discrepancy for tensor {name}. User provided : "
+                               f"{target.dtype}, and expected : {values.dtype}")
+    target.reshape(-1)[...] = values.reshape(-1)
+
+
+class _Session:
+    """What both sessions share; ``self._kit`` is the kit session that runs the program."""
+
+    _kit: Any
+
+    def __init__(self, mode: str, fnModel: Any, dataFlow: DataFlow, deviceInfo: DeviceInfo,
+                 userOptions: SessionOptions | None, loss: str | None = None,
+                 optimizer: Optimizer | None = None) -> None:
+        if not isinstance(dataFlow, DataFlow):
+            raise TypeError(f"dataFlow={dataFlow!r}: give popart.DataFlow(batchesPerStep, "
+                            f"anchors).")
+        if not isinstance(deviceInfo, DeviceInfo):
+            raise popart_exception(f"deviceInfo={deviceInfo!r}: a session needs a device. Fix: "
+                                   f"popart.DeviceManager().createCpuDevice() or "
+                                   f"acquireAvailableDevice(n).")
+        opts = userOptions if userOptions is not None else SessionOptions()
+        if not isinstance(opts, SessionOptions):
+            raise TypeError(f"userOptions={opts!r}: give a popart.SessionOptions().")
+        self.model = _load(fnModel)
+        self.dataFlow, self.deviceInfo, self.options = dataFlow, deviceInfo, opts
+        self.config = _config(mode, opts, dataFlow, deviceInfo, self.model)
+        anchors = {name: art.kit for name, art in dataFlow.returnTypes().items()}
+        try:
+            if mode == "training":
+                self._kit = _KitTraining(self.model, self.config, loss=loss,
+                                         optimizer=optimizer.kit, anchors=anchors,
+                                         backend="xla")
+            else:
+                self._kit = _KitInference(self.model, self.config, anchors=anchors,
+                                          backend="xla")
+        except ValueError as err:
+            raise popart_exception(str(err)) from None
+        self._types = _tensor_types(self.model)
+        self._pending: dict[str, np.ndarray] = {}
+        self._seed: int | None = None
+
+    # -- numbers ----------------------------------------------------------------------------
+
+    @property
+    def replicationFactor(self) -> int:
+        return self.config.replication.local_factor
+
+    @property
+    def accumulationFactor(self) -> int:
+        return self.config.accumulation.factor
+
+    def getInfo(self, id: str) -> TensorInfo:  # noqa: A002
+        base = id[len(GRADIENT):] if id.startswith(GRADIENT) else id
+        if base not in self._types:
+            raise popart_exception(f"No tensor {id!r} in the model; known tensors include "
+                                   f"{sorted(self._types)[:8]}.")
+        return self._types[base]
+
+    def getAllTensorIds(self) -> set[str]:
+        return set(self._types)
+
+    getTensorIds = getAllTensorIds
+
+    # -- the device ---------------------------------------------------------------------------
+
+    def prepareDevice(self, loadEngine: bool = True) -> None:
+        try:
+            self._kit.prepare()
+        except ValueError as err:
+            raise popart_exception(str(err)) from None
+
+    def loadEngineAndConnectStreams(self) -> None:
+        """Nothing to load on the xla runtime."""
+
+    def setRandomSeed(self, seedValue: int) -> None:
+        if not isinstance(seedValue, int) or not 0 <= seedValue < 2**64:
+            raise TypeError(f"setRandomSeed({seedValue!r}): the seed is a uint64.")
+        self._seed = seedValue
+        if hasattr(self._kit, "set_random_seed"):
+            self._kit.set_random_seed(seedValue)
+
+    def getRandomSeed(self) -> int:
+        return self._seed or 0
+
+    def initAnchorArrays(self) -> dict[str, np.ndarray]:
+        io = self._kit.io
+        return {name: np.zeros(io.anchor_shape(name), io.anchors[name][0].dtype)
+                for name in io.anchors}
+
+    # -- a run ----------------------------------------------------------------------------------
+
+    def run(self, stepio: PyStepIO | PyStepIOCallback, debugName: str = "") -> None:
+        if isinstance(stepio, PyStepIOCallback):
+            inputs = self._pull(stepio)
+        elif isinstance(stepio, PyStepIO):
+            inputs = self._arrays(stepio)
+        else:
+            raise TypeError(f"run({stepio!r}): give a popart.PyStepIO or PyStepIOCallback.")
+        try:
+            out = self._kit.run(inputs)
+        except ValueError as err:
+            raise popart_exception(str(err)) from None
+        if isinstance(stepio, PyStepIOCallback):
+            self._push(stepio, out)
+        else:
+            for name, values in out.items():
+                if name not in stepio.outputs:
+                    raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
+                _flat_into(name, stepio.outputs[name], values, "output")
+
+    def _arrays(self, stepio: PyStepIO) -> dict[str, np.ndarray]:
+        io, inputs = self._kit.io, {}
+        if stepio.runtime_asserts:
+            for name in stepio.inputs:
+                if name not in io.inputs:
+                    raise popart_exception(
+                        f"The tensor '{name}' has been provided as one of the inputs to the "
+                        f"stepIO, but it is not registered as one of the inputs to the model. "
+                        f"Inputs of the model: {sorted(io.inputs)}.")
+        for name, spec in io.inputs.items():
+            if name not in stepio.inputs:
+                raise popart_exception(f"No tensor {name} provided in PyStepIO's inputs")
+            array, shape = stepio.inputs[name], io.input_shape(name)
+            if array.size != int(np.prod(shape)):
+                raise popart_exception(
+                    f"Unexpected number of input elements for Tensor {name}. Expected "
+                    f"{int(np.prod(shape))}, but received {array.size}.\nhost shape "
+                    f"[bps, A, R, *S] = {list(shape)} (replication factor = "
+                    f"{self.replicationFactor}, accumulation factor = "
+                    f"{self.accumulationFactor}, batches per step = "
+                    f"{self.dataFlow.batchesPerStep()}, Tensor nelms = {spec.nelms})")
+            inputs[name] = self._typed(name, array, spec.dtype).reshape(shape)
+        return inputs
+
+    @staticmethod
+    def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        if array.dtype == dtype:
+            return array
+        if array.dtype == np.int64 and dtype == np.int32:
+            return array.astype(np.int32)
+        raise popart_exception(f"Type discrepancy for tensor {name}. User provided : "
+                               f"{array.dtype}, and expected : {dtype}")
+
+    def _pull(self, stepio: PyStepIOCallback) -> dict[str, np.ndarray]:
+        io, c = self._kit.io, self.config
+        micro = c.batches_per_step * c.accumulation.factor
+        chunks: dict[str, list[np.ndarray]] = {name: [] for name in io.inputs}
+        for _ in range(micro):
+            for name, spec in io.inputs.items():
+                for _ in range(1 if spec.broadcast else self.replicationFactor):
+                    array = stepio.input_callback(name, False)
+                    if array is None or np.ndim(array) == 0:
+                        raise popart_exception(f"[StepIOSplitter] IStepIO unexpectedly did not "
+                                               f"provide input data for tensor {name}")
+                    array = np.asarray(array)
+                    if not array.flags.c_contiguous:
+                        raise popart_exception(f"PyStepIOCallback: the array for {name} is not "
+                                               f"c-contiguous. Fix: np.ascontiguousarray.")
+                    if array.size != spec.nelms:
+                        raise popart_exception(
+                            f"PyStepIOCallback: input_callback({name!r}) gave {array.size} "
+                            f"elements, one micro-batch of one replica has {spec.nelms} "
+                            f"(shape {list(spec.shape)}).")
+                    chunks[name].append(self._typed(name, array, spec.dtype).reshape(spec.shape))
+                    stepio.input_complete_callback(name)
+        return {name: np.stack(chunks[name]).reshape(io.input_shape(name)) for name in chunks}
+
+    def _push(self, stepio: PyStepIOCallback, out: Mapping[str, np.ndarray]) -> None:
+        io = self._kit.io
+        for name, values in out.items():
+            spec = io.anchors[name][0]
+            for piece in values.reshape(-1, *spec.shape):
+                _flat_into(name, np.asarray(stepio.output_callback(name)), piece, "output")
+                stepio.output_complete_callback(name)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        return self._kit.weights()
+
+    def weightsFromHost(self) -> None:
+        """Copy the host weights (writeWeights, resetHostWeights) to the device."""
+        if self._pending:
+            current = self._weights()
+            update = {k: np.asarray(v, current[k].dtype).reshape(current[k].shape)
+                      for k, v in self._pending.items()}
+            try:
+                self._kit.write_weights(update)
+            except ValueError as err:
+                raise popart_exception(str(err)) from None
+            self._pending = {}
+
+    def weightsToHost(self) -> None:
+        """The device's weights are read fresh by readWeights and modelToHost."""
+
+    def writeWeights(self, weightsIo: PyWeightsIO) -> None:
+        current = self._weights()
+        for name, array in weightsIo.weights.items():
+            if name not in current:
+                raise popart_exception(f"writeWeights: {name!r} is not a weight of the model "
+                                       f"({', '.join(sorted(current))}).")
+            if array.size != current[name].size:
+                raise popart_exception(f"writeWeights: {name!r} has {array.size} elements, the "
+                                       f"weight {list(current[name].shape)} has "
+                                       f"{current[name].size}.")
+            self._pending[name] = np.array(array)
+
+    def readWeights(self, weightsIo: PyWeightsIO) -> None:
+        tensors = self._weights() | self._optimizer_tensors()
+        for name, target in weightsIo.weights.items():
+            if name not in tensors:
+                raise popart_exception(f"readWeights: no weight or optimizer state named "
+                                       f"{name!r}; weights: {', '.join(sorted(tensors))}.")
+            _flat_into(name, target, np.asarray(tensors[name]), "weight")
+
+    def resetHostWeights(self, modelProtoOrFilename: Any,
+                         ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False
+                         ) -> None:
+        current = self._weights()
+        for init in _load(modelProtoOrFilename).graph.initializer:
+            if init.name in current:
+                self._pending[init.name] = numpy_helper.to_array(init)
+            elif not ignoreWeightsInModelWithoutCorrespondingHostWeight:
+                raise popart_exception(f"resetHostWeights, failed to find tensor {init.name} "
+                                       f"in the session's weights. Fix: pass "
+                                       f"ignoreWeightsInModelWithoutCorrespondingHostWeight="
+                                       f"True to skip it.")
+
+    def _optimizer_tensors(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def modelToHost(self, fn: str) -> None:
+        """Write the model with the device's weights (and optimizer state under PopART's
+        reserved names) to ``fn``."""
+        proto = self._kit.model_proto()
+        for name, array in self._optimizer_tensors().items():
+            proto.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        onnx.save(proto, fn)
+
+    # -- what the xla runtime does not have -----------------------------------------------------
+
+    def _absent(self, what: str) -> Any:
+        raise popart_exception(f"{what} is not available on popart_kit's xla runtime (no "
+                               f"Poplar executable, report or cycle counter). Fix: run this "
+                               f"program with the Poplar SDK's popart for it.")
+
+    def getCycleCount(self, id: str = "") -> int:  # noqa: A002
+        return self._absent("getCycleCount")
+
+    def compileAndExport(self, filename: str) -> None:
+        self._absent("compileAndExport")
+
+    def saveExecutable(self, path: str, savePrng: bool = True, saveVariables: bool = True
+                       ) -> None:
+        self._absent("saveExecutable")
+
+    def loadExecutable(self, filename: str) -> None:
+        self._absent("loadExecutable")
+
+    def getSummaryReport(self, resetProfile: bool = True) -> str:
+        return self._absent("getSummaryReport")
+
+    def getReport(self) -> Any:
+        return self._absent("getReport")
+
+    def getSerializedGraph(self) -> bytes:
+        return self._absent("getSerializedGraph")
+
+
+class InferenceSession(_Session):
+    """popart.InferenceSession(fnModel, dataFlow, deviceInfo, inputShapeInfo=InputShapeInfo(),
+    patterns=None, userOptions=SessionOptions(), name="inference")."""
+
+    def __init__(self, fnModel: Any, dataFlow: DataFlow, deviceInfo: DeviceInfo,
+                 inputShapeInfo: Any = None, patterns: Any = None,
+                 userOptions: SessionOptions | None = None, name: str = "inference") -> None:
+        self.name, self.patterns = name, patterns
+        super().__init__("inference", fnModel, dataFlow, deviceInfo, userOptions)
+
+
+class TrainingSession(_Session):
+    """popart.TrainingSession(fnModel, dataFlow, loss, optimizer, deviceInfo,
+    inputShapeInfo=InputShapeInfo(), patterns=None, userOptions=SessionOptions(),
+    name="training")."""
+
+    def __init__(self, fnModel: Any, dataFlow: DataFlow, loss: str, optimizer: Optimizer,
+                 deviceInfo: DeviceInfo, inputShapeInfo: Any = None, patterns: Any = None,
+                 userOptions: SessionOptions | None = None, name: str = "training") -> None:
+        if not isinstance(loss, str):
+            raise TypeError(f"loss={loss!r}: give the loss tensor's id (a str).")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer={optimizer!r}: give popart.SGD, popart.ConstSGD or "
+                            f"popart.Adam.")
+        self.name, self.patterns, self.optimizer = name, patterns, optimizer
+        super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer)
+
+    def updateOptimizerFromHost(self, optimizer: Optimizer) -> None:
+        """New optimizer values for the next runs; PopART's rules: same optimizer type, and a
+        constant value may not change or become non-constant."""
+        if type(optimizer.kit) is not type(self.optimizer.kit):
+            raise popart_exception(f"Can not replace optimizer of type "
+                                   f"{type(self.optimizer).__name__} with one of type "
+                                   f"{type(optimizer).__name__}.")
+        for key, (value, const) in self.optimizer.values.items():
+            new_value, new_const = optimizer.values[key]
+            why = ("Can not replace a constant value with a non constant value."
+                   if const != new_const else
+                   "Values are constant but do not match." if const and value != new_value
+                   else None)
+            if why:
+                raise popart_exception(f"Problem with {key}. Default value is not a valid "
+                                       f"replacement. {why}")
+        try:
+            self._kit.set_optimizer(optimizer.kit)
+        except ValueError as err:
+            raise popart_exception(str(err)) from None
+        self.optimizer = optimizer
+
+    def _optimizer_tensors(self) -> dict[str, np.ndarray]:
+        """The kit's optimizer state under PopART's reserved names: SGD velocity Accl___w
+        (Combined) or Accl1___w (Separate); Adam Accl1___w (m), Accl2___w (v), Step___w."""
+        state = getattr(self._kit, "optimizer_state", None)
+        if state is None:
+            return {}
+        state, p = state(), RESERVED_PREFIXES
+        out = {}
+        separate = getattr(self.optimizer.kit, "accumulator_and_momentum", "") == "separate"
+        for weight, v in state.get("velocity", {}).items():
+            out[(p["Accl1"] if separate else p["Accl"]) + weight] = np.asarray(v)
+        for key, prefix in (("m", p["Accl1"]), ("v", p["Accl2"])):
+            for weight, value in state.get(key, {}).items():
+                out[prefix + weight] = np.asarray(value)
+                if "step" in state:
+                    out[p["Step"] + weight] = np.asarray(state["step"], np.float32).reshape(())
+        return out
+
+    def getAllTensorIds(self) -> set[str]:
+        return set(self._types) | set(self._optimizer_tensors())
+
+    getTensorIds = getAllTensorIds
+
+
+__all__ = ["InferenceSession", "TrainingSession", "AnchorReturnType"]

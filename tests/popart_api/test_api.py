@@ -1,0 +1,234 @@
+"""popart_kit.popart's names, signatures, defaults and errors, held against PopART's recorded
+API facts (tests/contract/popart_api.json, popart_builder_ops.json)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import popart_kit.popart as popart
+from popart_kit import _popart_catalog as catalog
+from popart_kit._graphcore_ops import GRAPHCORE_OPS
+
+CONTRACT = Path(__file__).parent.parent / "contract"
+API = json.loads((CONTRACT / "popart_api.json").read_text())
+BUILDER_OPS = json.loads((CONTRACT / "popart_builder_ops.json").read_text())
+
+
+def test_popart_exception_is_a_value_error():
+    assert issubclass(popart.popart_exception, ValueError)
+    with pytest.raises(ValueError):
+        popart.DataFlow(0, {})
+
+
+@pytest.mark.parametrize("name", sorted(API["enums"]))
+def test_enums_have_popart_members(name):
+    assert [m.name for m in getattr(popart, name)] == API["enums"][name] or (
+        name in ("ReductionType", "ReplicatedStreamMode") and {m.name for m in getattr(popart, name)}
+        == set(API["enums"][name]))
+
+
+def test_session_options_have_every_attribute_with_popart_defaults():
+    opts = popart.SessionOptions()
+    for name in catalog.OPTIONS:  # held against popart_api.json by tests/contract
+        assert catalog.plain(name, getattr(opts, name)) == catalog.DEFAULTS[name], name
+    assert opts.changed() == {}
+
+
+def test_session_options_are_typed_like_pybind():
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    opts.executionPhaseSettings.phases = 2
+    opts.outlineThreshold = 3
+    opts.engineOptions["debug.instrument"] = "true"
+    assert opts.outlineThreshold == 3.0 and isinstance(opts.outlineThreshold, float)
+    assert opts.changed()["executionPhaseSettings"]["phases"] == 2
+    assert opts.changed()["engineOptions"] == {"debug.instrument": "true"}
+    with pytest.raises(TypeError, match="VirtualGraphMode"):
+        opts.virtualGraphMode = "Manual"
+    with pytest.raises(TypeError, match="accumulationFactor"):
+        opts.accumulationFactor = 2.5
+    with pytest.raises(AttributeError, match="accumulationFactr"):
+        opts.accumulationFactr = 2
+    assert opts.getGlobalReplicationFactor() == 1
+
+
+def test_session_options_problems_are_reported_at_once():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiGraphcore.scale([x], 2.0)
+    opts = popart.SessionOptions()
+    opts.accumulationFactor = 4          # without enableGradientAccumulation
+    opts.replicatedGraphCount = 2        # without enableReplicatedGraphs
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                popart.DeviceManager().createCpuDevice(), userOptions=opts)
+    assert "enableGradientAccumulation" in str(err.value)
+    assert "enableReplicatedGraphs" in str(err.value)
+    opts = popart.SessionOptions()
+    opts.enableGradientAccumulation = True
+    opts.accumulationFactor = 2
+    with pytest.raises(popart.popart_exception,
+                       match="Gradient Accumulation only available when training"):
+        popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                popart.DeviceManager().createCpuDevice(), userOptions=opts)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("INVALID",), "Invalid anchor return type ID supplied: INVALID"),
+    (("ALL", 2), "A return period should not be supplied for this anchor return type"),
+    (("EveryN", -1), "Anchor return period must be greater than zero"),
+    (("EveryN",), "Must specify return period with option 'EVERYN'"),
+])
+def test_anchor_return_type_errors_are_popart_text(args, message):
+    with pytest.raises(popart.popart_exception) as err:
+        popart.AnchorReturnType(*args)
+    assert str(err.value).startswith(message)
+
+
+def test_anchor_return_type_and_dataflow():
+    art = popart.AnchorReturnType("everyn", 2)
+    assert art.id() == popart.AnchorReturnTypeId.EveryN and art.rp() == 2
+    flow = popart.DataFlow(4, ["a", "b"])
+    assert flow.nAnchors() == 2 and flow.isAnchored("a")
+    assert flow.art("b").id() == popart.AnchorReturnTypeId.All and flow.batchesPerStep() == 4
+    with pytest.raises(popart.popart_exception, match="must be a factor"):
+        popart.DataFlow(3, {"a": popart.AnchorReturnType("EveryN", 2)})
+    with pytest.raises(popart.popart_exception, match="must be <="):
+        popart.DataFlow(1, {"a": popart.AnchorReturnType("EveryN", 2)})
+
+
+def test_device_manager():
+    dm = popart.DeviceManager()
+    assert dm.createCpuDevice().type == popart.DeviceType.Cpu
+    model = dm.createIpuModelDevice({"numIPUs": 4, "tilesPerIPU": 16})
+    assert (model.numIpus, model.tilesPerIPU) == (4, 16)
+    offline = dm.createOfflineIPUDevice({"numIPUs": 2, "syncPattern": "singlePipeline"})
+    assert offline.numIpus == 2 and offline.syncPattern == popart.SyncPattern.SinglePipeline
+    assert dm.acquireAvailableDevice(8).numIpus == 8
+    with pytest.raises(popart.popart_exception, match="must be a power of two"):
+        dm.acquireAvailableDevice(3)
+    with pytest.raises(popart.popart_exception, match="Invalid option `numIpus'"):
+        dm.createIpuModelDevice({"numIpus": 2})
+    params = list(inspect.signature(dm.acquireAvailableDevice).parameters)
+    assert params == API["device_manager"]["acquireAvailableDevice"]["params"]
+
+
+def test_optimizers_as_popart_spells_them():
+    sgd = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, False)},
+                     accumulatorAndMomentum=popart.SGDAccumulatorAndMomentum.Separate)
+    assert (sgd.kit.learning_rate, sgd.kit.momentum) == (pytest.approx(0.1), pytest.approx(0.9))
+    assert sgd.kit.accumulator_and_momentum == "separate"
+    assert popart.ConstSGD(0.01).values["defaultLearningRate"] == (pytest.approx(0.01), True)
+    adam = popart.Adam({"defaultLearningRate": (1e-3, False)}, mode=popart.AdamMode.Lamb,
+                       weight_decay_mode=popart.WeightDecayMode.L2Regularization)
+    assert (adam.kit.mode, adam.kit.weight_decay_mode) == ("lamb", "l2_regularization")
+    with pytest.raises(popart.popart_exception, match="Invalid SGD key, defaultBeta1"):
+        popart.SGD({"defaultBeta1": (0.9, True)})
+    with pytest.raises(popart.popart_exception, match="must be a py::tuple"):
+        popart.SGD({"defaultLearningRate": 0.1})
+    for cls in ("SGD", "ConstSGD", "Adam"):
+        params = list(inspect.signature(getattr(popart, cls)).parameters)
+        assert params == API["classes"][cls]["ctor"][0], cls
+
+
+def test_session_constructor_keywords_are_popart_s():
+    for cls in ("InferenceSession", "TrainingSession"):
+        params = list(inspect.signature(getattr(popart, cls)).parameters)
+        assert params == API["classes"][cls]["ctor"][0]
+    for cls in ("PyStepIO", "PyStepIOCallback", "PyWeightsIO"):
+        params = list(inspect.signature(getattr(popart, cls)).parameters)
+        assert params == API["classes"][cls]["ctor"][0]
+
+
+def test_reserved_prefixes():
+    assert popart.reservedGradientPrefix() == "Gradient___"
+    assert popart.reservedAcclPrefix() == "Accl___"
+    assert popart.reservedAccl1Prefix() == "Accl1___"
+    assert popart.reservedAccl2Prefix() == "Accl2___"
+    assert popart.reservedStepPrefix() == "Step___"
+    assert popart.reservedAccumPrefix() == "Accum___"
+
+
+@pytest.mark.parametrize("method", sorted(GRAPHCORE_OPS))
+def test_graphcore_ops_have_popart_signatures(method):
+    spec = BUILDER_OPS["ai_graphcore"][method]
+    op_type, params, _ = GRAPHCORE_OPS[method]
+    popart_params = [p for p in spec["params"][1:] if p != "debugContext"]
+    assert [p[0] for p in params] == popart_params[:len(params)]
+    for name, _, default in params:
+        if name in spec.get("defaults", {}):
+            assert default == spec["defaults"][name], name
+
+
+def test_graphcore_ops_run_on_xla():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    outs = {
+        "scale": b.aiGraphcore.scale([x], 0.5),
+        "scaledadd": b.aiGraphcore.scaledadd([x, x], 2.0, 3.0),
+        "detach": b.aiGraphcore.detach([x]),
+        "swish": b.aiGraphcore.swish([x]),
+        "subsample": b.aiGraphcore.subsample([x], [1, 2]),
+        "reverse": b.aiGraphcore.reverse([x], [1]),
+        "reshape": b.aiGraphcore.reshape(x, [4, 2]),
+        "round": b.aiGraphcore.round([x]),
+        "const": b.reshape_const(b.aiOnnx, [x], [8]),
+        "gemm": b.aiOnnx.gemm([x, b.addInitializedInputTensor(np.eye(4, dtype=np.float32)),
+                               b.addInitializedInputTensor(np.ones(4, np.float32))],
+                              1, 1, False, False),
+    }
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, list(outs.values())),
+                                      popart.DeviceManager().createCpuDevice())
+    anchors = session.initAnchorArrays()
+    xs = np.array([[-1.5, -0.5, 0.5, 2.5], [1, 2, 3, 4]], np.float32)
+    session.run(popart.PyStepIO({x: xs}, anchors))
+    got = {k: anchors[v] for k, v in outs.items()}
+    np.testing.assert_allclose(got["scale"], xs / 2)
+    np.testing.assert_allclose(got["scaledadd"], 5 * xs)
+    np.testing.assert_allclose(got["detach"], xs)
+    np.testing.assert_allclose(got["swish"], xs / (1 + np.exp(-xs)), rtol=1e-6)
+    np.testing.assert_allclose(got["subsample"], xs[:, ::2])
+    np.testing.assert_allclose(got["reverse"], xs[:, ::-1])
+    np.testing.assert_allclose(got["reshape"], xs.reshape(4, 2))
+    np.testing.assert_allclose(got["round"], [[-2, -1, 1, 3], [1, 2, 3, 4]])
+    np.testing.assert_allclose(got["const"], xs.reshape(8))
+    np.testing.assert_allclose(got["gemm"], xs + 1)
+
+
+def test_builder_stores_float_initializers_as_popart_does():
+    import onnx
+
+    b = popart.Builder()
+    b.addInitializedInputTensor(np.arange(3, dtype=np.float32), "w")
+    init = onnx.load_from_string(b.getModelProto()).graph.initializer[0]
+    assert list(init.float_data) == [0, 1, 2] and not init.raw_data
+
+
+def test_auto_backend_never_takes_this_module_for_the_sdk(monkeypatch):
+    from popart_kit._mapping import import_popart
+    from popart_kit.backends.base import _sdk_importable
+
+    monkeypatch.setitem(sys.modules, "popart", popart)
+    assert not _sdk_importable()
+    with pytest.raises(ImportError, match="not the Poplar SDK"):
+        import_popart()
+
+
+def test_popart_kit_run_runs_a_popart_program(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text("import sys, popart\n"
+                      "assert popart.IS_POPART_KIT\n"
+                      "print('args', sys.argv[1:], popart.reservedGradientPrefix())\n")
+    for command in ([sys.executable, "-m", "popart_kit.cli", "run"],
+                    [sys.executable, "-m", "popart_kit.popart"]):
+        done = subprocess.run([*command, str(script), "a", "--b"], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "args ['a', '--b'] Gradient___" in done.stdout
