@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import _popart_catalog as catalog
+from .._names import GRADIENT_PREFIX
 from ..builder import InputSettings, ReductionType, ReplicatedStreamMode
 from ..builder import TensorInfo as _KitTensorInfo
 from ..shapes import AnchorReturnType as _KitART
@@ -83,7 +84,7 @@ for _name, _members in {
 # -- reserved tensor-name prefixes (willow/include/popart/tensornames.hpp) --------------------
 
 RESERVED_PREFIXES = {
-    "Gradient": "Gradient___", "UpdatedVar": "UpdatedVar___", "Accum": "Accum___",
+    "Gradient": GRADIENT_PREFIX, "UpdatedVar": "UpdatedVar___", "Accum": "Accum___",
     "Accl": "Accl___", "Accl1": "Accl1___", "Accl2": "Accl2___", "Accl3": "Accl3___",
     "Step": "Step___", "AcclToReduce": "AcclIntoReduce___", "AcclToUpdate": "AcclIntoUpdate___",
     "AcclFinalOut": "AcclOutOfAcclUpdate___", "FinalReducedGrad": "FinalReducedGradient___",

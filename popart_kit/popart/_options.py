@@ -44,7 +44,8 @@ class _Struct:
                                                 f"{type(self).__name__}.{name}"))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self._fields)})"
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields)
+        return f"{type(self).__name__}({fields})"
 
 
 STRUCTS: dict[str, type[_Struct]] = {

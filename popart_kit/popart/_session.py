@@ -9,6 +9,8 @@ for one micro-batch per replica at a time, micro-batch major and replica minor.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -100,10 +102,8 @@ def _config(mode: str, opts: SessionOptions, flow: DataFlow, device: DeviceInfo,
 
 
 def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    try:
+    with contextlib.suppress(Exception):  # custom ops: keep what the model records
         model = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - custom ops: keep what the model records
-        pass
     out: dict[str, TensorInfo] = {}
     for value in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         t = value.type.tensor_type

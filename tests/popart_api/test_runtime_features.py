@@ -42,8 +42,8 @@ def test_gradient_anchors_per_micro_batch():
     d = xs @ W0 - ts                                   # weights barely move (lr 1e-9)
     np.testing.assert_allclose(anchors[g + n["y"]], 2 * d / d[0, 0, 0].size, rtol=1e-3)
     np.testing.assert_allclose(anchors[g + n["x"]], 2 * d @ W0.T / d[0, 0, 0].size, rtol=1e-3)
-    expected_w = np.einsum("barmi,barmo->baraio", xs, 2 * d / d[0, 0, 0].size)
-    np.testing.assert_allclose(anchors[g + n["w"]], expected_w.sum(axis=3), rtol=1e-3)
+    expected_w = np.einsum("barmi,barmo->bario", xs, 2 * d / d[0, 0, 0].size)
+    np.testing.assert_allclose(anchors[g + n["w"]], expected_w, rtol=1e-3)
     np.testing.assert_allclose(anchors[g + n["loss"]], 1.0)
 
 

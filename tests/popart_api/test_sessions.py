@@ -64,8 +64,9 @@ def test_gradient_accumulation_matches_numpy(kind):
     bps, acc, reps, micro, lr = 2, 3, 2, 2, 0.05
     optimizer = (popart.SGD({"defaultLearningRate": (lr, False)}) if kind == "sgd" else
                  popart.Adam({"defaultLearningRate": (lr, False)}))
-    session, x, t, w, y, loss = training(bps, acc, reps, optimizer,
-                                         anchors=lambda x, y, loss: {loss: popart.AnchorReturnType("All")})
+    session, x, t, w, y, loss = training(
+        bps, acc, reps, optimizer,
+        anchors=lambda x, y, loss: {loss: popart.AnchorReturnType("All")})
     anchors = session.initAnchorArrays()
     xs, ts = data(bps, acc, reps, micro, seed=1)
     session.run(popart.PyStepIO({x: xs, t: ts}, anchors))
@@ -128,7 +129,8 @@ def test_weight_io_round_trip(tmp_path):
     anchors = session.initAnchorArrays()
     xs, ts = data(1, 1, 1, 2)
     session.run(popart.PyStepIO({x: xs, t: ts}, anchors))
-    np.testing.assert_allclose(anchors[y], (xs @ new)[0, 0, 0], rtol=1e-5)  # forward before the update
+    # the forward pass ran before the update
+    np.testing.assert_allclose(anchors[y], (xs @ new)[0, 0, 0], rtol=1e-5)
     path = str(tmp_path / "model.onnx")
     session.modelToHost(path)
     saved = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(path).graph.initializer}
@@ -149,7 +151,8 @@ def test_stepio_callbacks_are_asked_micro_batch_major_replica_minor():
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [micro, 4]), "x")
     y = b.aiGraphcore.scale([x], 3.0)
     opts = options(reps)
-    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(bps, {y: popart.AnchorReturnType("All")}),
+    flow = popart.DataFlow(bps, {y: popart.AnchorReturnType("All")})
+    session = popart.InferenceSession(b.getModelProto(), flow,
                                       popart.DeviceManager().createCpuDevice(), userOptions=opts)
     session.prepareDevice()
     xs = np.random.default_rng(5).standard_normal((bps, reps, micro, 4)).astype(np.float32)
