@@ -165,4 +165,6 @@ class Placement:
         if len(leaves) > 1:
             for leaf in leaves:
                 leaf.copy_to_host_async()  # all transfers start before the first is awaited
+        elif len(leaves) == 1:
+            return jax.tree.unflatten(structure, [np.array(leaves[0])])
         return jax.tree.unflatten(structure, [np.array(leaf) for leaf in leaves])

@@ -68,6 +68,7 @@ class XlaBackend:
                                      config.replication.local_factor)
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
         self._anchor_shapes = {name: self.io.anchor_shape(name) for name in self.anchors}
+        self._inputs = self._program_inputs()
         self.on_host = loops_on_host(model, self.placement.platform, self.placement.several)
         self._lock = threading.RLock()
         self._weights = self.placement.put_everywhere(
@@ -139,29 +140,32 @@ class XlaBackend:
         """The replica axis of each device input: [M, R, *S] streams, [M, *S] Broadcast."""
         return {n: None if s.broadcast else 1 for n, s in self.io.inputs.items()}
 
-    def _host_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Canonical host arrays as [M, R, *S] (Broadcast [M, *S]) views in the dtypes the
-        program takes (PopART's int64 -> int32)."""
-        replicas = self.config.replication.local_factor
-        out = {}
-        for name, spec in self.io.inputs.items():
-            lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
-            dtype = jax.dtypes.canonicalize_dtype(spec.dtype)
-            out[name] = np.asarray(inputs[name], dtype=dtype).reshape(lead + spec.shape)
-        return out
-
-    def _abstract_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def _program_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """What the program takes: [M, R, *S] streams and [M, *S] Broadcast inputs, in the
+        dtypes JAX computes (PopART's int64 -> int32)."""
         replicas = self.config.replication.local_factor
         shapes = {}
         for name, spec in self.io.inputs.items():
             lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
             shapes[name] = jax.ShapeDtypeStruct(lead + spec.shape,
                                                 jax.dtypes.canonicalize_dtype(spec.dtype))
-        return self.placement.abstract(shapes, self._stream_axes())
+        return shapes
+
+    def _host_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Canonical host arrays as the program takes them (views where the dtype agrees)."""
+        return {name: np.asarray(inputs[name], dtype=s.dtype).reshape(s.shape)
+                for name, s in self._inputs.items()}
+
+    def _abstract_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return self.placement.abstract(self._inputs, self._stream_axes())
 
     def _slice(self, inputs: Mapping[str, jax.Array], start: Any) -> dict[str, jax.Array]:
-        return {k: jax.lax.dynamic_slice_in_dim(v, start, self.chunk, axis=0)
-                for k, v in inputs.items()}
+        """The chunk's micro-batches. The barrier keeps XLA from moving work on the chunk (a
+        layout change for a convolution, say) out of the loop onto the whole step's inputs,
+        which would hold a second copy of them."""
+        return jax.lax.optimization_barrier(
+            {k: jax.lax.dynamic_slice_in_dim(v, start, self.chunk, axis=0)
+             for k, v in inputs.items()})
 
     def _evaluate_chunk(self, weights: Mapping[str, jax.Array], inputs: Mapping[str, Any],
                         start: Any, wanted: list[str],
@@ -256,7 +260,8 @@ class XlaBackend:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
         with self._lock:
-            self.prepare()
+            if self._program is None:
+                self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
                                                resident=self.on_host)
             out = self.placement.fetch(self._execute(device_inputs))

@@ -310,7 +310,8 @@ class XlaTrainingBackend(XlaBackend):
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
         with self._lock:
-            self.prepare()
+            if self._program is None:
+                self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
                                                resident=self.on_host)
             state, buffers, flags = self._execute(device_inputs)
