@@ -307,6 +307,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore", pk.PopartKitWarning)
     placement.ensure_host_devices()  # before anything starts JAX, as a session would
+    # the hand-written baselines compute float32 products in float32, as the sessions do
+    jax.config.update("jax_default_matmul_precision", "float32")
     load = os.getloadavg()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores,"
           f" load {load[0]:.2f}; jax {jax.__version__} on {jax.devices()[0].platform}; "

@@ -160,12 +160,13 @@ class XlaBackend:
         return self.placement.abstract(self._inputs, self._stream_axes())
 
     def _slice(self, inputs: Mapping[str, jax.Array], start: Any) -> dict[str, jax.Array]:
-        """The chunk's micro-batches. The barrier keeps XLA from moving work on the chunk (a
-        layout change for a convolution, say) out of the loop onto the whole step's inputs,
-        which would hold a second copy of them."""
-        return jax.lax.optimization_barrier(
-            {k: jax.lax.dynamic_slice_in_dim(v, start, self.chunk, axis=0)
-             for k, v in inputs.items()})
+        """The chunk's micro-batches. When chunks are looped over, a barrier keeps XLA from
+        moving work on the chunk (a layout change for a convolution, say) out of the loop onto
+        the whole step's inputs, which would hold a second copy of them."""
+        chunk = {k: jax.lax.dynamic_slice_in_dim(v, start, self.chunk, axis=0)
+                 for k, v in inputs.items()}
+        looped = self.chunk < self._chunk_limit() or self.micro_batches > self._chunk_limit()
+        return jax.lax.optimization_barrier(chunk) if looped else chunk
 
     def _evaluate_chunk(self, weights: Mapping[str, jax.Array], inputs: Mapping[str, Any],
                         start: Any, wanted: list[str],
@@ -247,7 +248,10 @@ class XlaBackend:
             if self._program is not None:
                 return
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
-            programs = self._compile()
+            # float32 products in float32, as an IPU computes them (GPUs would otherwise use
+            # TF32, and results would change with the chunk size)
+            with jax.default_matmul_precision("float32"):
+                programs = self._compile()
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
                                if p.memory_analysis() is not None), default=0)
             self._check_memory(temporaries)
