@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from ._index_check import IndexChecks
 from ._model_check import check_model
+from ._unknown_keys import checked_keywords
 from .backends.base import BACKENDS, Backend, TrainingBackend, make_backend
 from .config import SessionConfig
 from .errors import ConfigError, ConfigTypeError, DataTypeError, InvalidConfig, clip
@@ -114,6 +115,7 @@ class InferenceSession(_Session):
 
     _mode = "inference"
 
+    @checked_keywords
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, anchors: Mapping[str, Any] | None = None,
                  backend: str = "auto", *, popart: Any = None,
@@ -145,6 +147,7 @@ class TrainingSession(_Session):
 
     _mode = "training"
 
+    @checked_keywords
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
