@@ -35,7 +35,9 @@ def test_an_unknown_key_does_not_hide_the_other_problems() -> None:
     (lambda: pk.SessionConfig(mode="training", replicatedGraphCount=2),
      "replication.local_factor"),
     (lambda: pk.SessionConfig(mode="training", enableStochasticRounding=True),
-     "popart_options.enableStochasticRounding"),
+     "precision.stochastic_rounding"),
+    (lambda: pk.SessionConfig(mode="training", enableOutlining=False),
+     "popart_options.enableOutlining"),
 ])
 def test_a_misspelt_field_gets_a_suggestion_and_no_pydantic_url(make, expect) -> None:
     with pytest.raises(InvalidConfig, match="K-unknown-key") as info:
