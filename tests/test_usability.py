@@ -63,3 +63,207 @@ def test_session_keywords_get_the_kits_error_and_keep_their_signature() -> None:
     assert "anchors?" in str(info.value)
     assert "micro_batches_per_chunk" in inspect.signature(pk.InferenceSession).parameters
     assert "loss" in inspect.signature(pk.TrainingSession).parameters
+
+
+# -- 3. launch artefacts from the command line -------------------------------------------------
+
+SEED_SETUP = """cd ;
+mkdir build;
+cd build ;
+git clone https://github.com/graphcore/examples.git;
+cd examples/nlp/bert/pytorch;
+apt update ;
+apt upgrade -y;
+DEBIAN_FRONTEND=noninteractive TZ='Europe/London' apt install $(< required_apt_packages.txt) -y ;
+pip3 install -r requirements.txt ;
+"""
+# Graphcore's POD64 BERT job (the IPUJob of "Scaling up IPU count and using Poprun")
+SEED_POD64 = """
+apiVersion: graphcore.ai/v1alpha1
+kind: IPUJob
+metadata:
+  generateName: bert-poprun-64ipus-
+spec:
+  jobInstances: 1
+  modelReplicasPerWorker: "16"
+  ipusPerJobInstance: "64"
+  workers:
+    template:
+      spec:
+        containers:
+        - name: bert-poprun-64ipus
+          image: graphcore/pytorch:3.3.0
+          command: [/bin/bash, -c, --]
+          args:
+            - |
+{setup}              OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1 \\
+              poprun \\
+              --allow-run-as-root 1 \\
+              --vv \\
+              --num-instances 1 \\
+              --num-replicas 16 \\
+               --mpi-global-args="--tag-output" \\
+              --ipus-per-replica 4 \\
+              python3 run_pretraining.py \\
+              --config pretrain_large_128_POD64 \\
+              --dataset generated --training-steps 1
+          resources:
+            limits:
+              cpu: 32
+              memory: 200Gi
+          securityContext:
+            capabilities:
+              add:
+              - IPC_LOCK
+          volumeMounts:
+          - mountPath: /dev/shm
+            name: devshm
+        restartPolicy: Never
+        hostIPC: true
+        volumes:
+        - emptyDir:
+            medium: Memory
+            sizeLimit: 10Gi
+          name: devshm
+""".replace("{setup}", "".join("              " + line + "\n"
+                                for line in SEED_SETUP.splitlines()))
+
+
+def _commands(script: str) -> list[list[str]]:
+    """A bash script's commands as argv lists (continuations joined, ';' and newlines split)."""
+    import shlex
+
+    text = script.replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        for part in line.split(";"):
+            if part.strip():
+                out.append(shlex.split(part.replace("$(< required_apt_packages.txt)", "APT")))
+    return out
+
+
+def _poprun_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """poprun's options (``--a b`` and ``--a=b``) and the program after them."""
+    opts, i = {}, argv.index("poprun") + 1
+    while argv[i].startswith("--"):
+        if "=" in argv[i]:
+            key, value = argv[i].split("=", 1)
+            opts[key] = value
+            i += 1
+        elif argv[i] == "--vv":
+            opts[argv[i]] = ""
+            i += 1
+        else:
+            opts[argv[i]], i = argv[i + 1], i + 2
+    return opts, argv[i:]
+
+
+def test_ipujob_cli_gives_seed_004s_pod64_job(tmp_path, capsys) -> None:
+    import yaml
+
+    from popart_kit.cli import main
+
+    cfg = tmp_path / "pod64.toml"
+    cfg.write_text('mode = "training"\nipus_per_replica = 4\n[replication]\nlocal_factor = 16\n')
+    setup = [c for line in SEED_SETUP.splitlines() for c in [line.rstrip(" ;")] if c]
+    argv = ["ipujob", str(cfg), "--image", "graphcore/pytorch:3.3.0", "--name",
+            "bert-poprun-64ipus", *[f"--setup={c}" for c in setup], "--poprun-arg=--vv",
+            "--poprun-arg=--mpi-global-args=--tag-output", "--",
+            "python3", "run_pretraining.py", "--config", "pretrain_large_128_POD64",
+            "--dataset", "generated", "--training-steps", "1"]
+    assert main(argv) == 0
+    ours, seed = yaml.safe_load(capsys.readouterr().out), yaml.safe_load(SEED_POD64)
+    ours_c = ours["spec"]["workers"]["template"]["spec"]["containers"][0]
+    seed_c = seed["spec"]["workers"]["template"]["spec"]["containers"][0]
+    ours_script, seed_script = ours_c.pop("args")[0], seed_c.pop("args")[0]
+    assert ours == seed  # every other field, equal
+    mine, theirs = _commands(ours_script), _commands(seed_script)
+    assert mine[:-1] == theirs[:-1]  # the setup commands, in order, before poprun
+    assert mine[-1][:2] == theirs[-1][:2]  # OMPI_ALLOW_RUN_AS_ROOT*
+    (our_opts, our_prog), (seed_opts, seed_prog) = map(_poprun_options, (mine[-1], theirs[-1]))
+    assert our_prog == seed_prog  # the program runs under poprun
+    # the kit's one stated addition: --print-topology yes
+    assert our_opts == {**seed_opts, "--print-topology": "yes"}
+
+
+def test_ipujob_cli_of_seed_004s_single_job(tmp_path, capsys) -> None:
+    import yaml
+
+    from popart_kit.cli import main
+
+    cfg = tmp_path / "bert4.toml"
+    cfg.write_text('mode = "training"\nipus_per_replica = 4\n')
+    assert main(["ipujob", str(cfg), "--image", "graphcore/pytorch:3.3.0", "--setup=cd",
+                 "--", "python3", "run_pretraining.py", "--config", "pretrain_base_128_pod4"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    assert job["metadata"] == {"generateName": "bert4-"}
+    assert job["spec"]["ipusPerJobInstance"] == "4" and "modelReplicasPerWorker" not in job["spec"]
+    container = job["spec"]["workers"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["cd\npython3 run_pretraining.py --config pretrain_base_128_pod4\n"]
+    assert container["resources"] == {"limits": {"cpu": 32, "memory": "200Gi"}}
+
+
+def test_launch_refusals(tmp_path, capsys) -> None:
+    from popart_kit.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('mode = "training"\nipus_per_replica = 4\n[replication]\nlocal_factor = 2\n')
+    plan = pk.SessionConfig.from_file(cfg).plan()
+    with pytest.raises(pk.ConfigError, match="several shell commands") as info:
+        plan.poprun_command("cd /app; pip install x; python3 train.py")
+    assert info.value.rule == "K-launch-program"
+    with pytest.raises(pk.ConfigError, match="DNS-1123.*name='bad-name'"):
+        plan.ipujob_manifest("img", "python3 t.py", "Bad_Name!")
+    with pytest.raises(pk.ConfigError, match="--num-replicas"):
+        plan.poprun_command("python3 t.py", poprun_args=["--num-replicas", "8"])
+    assert main(["ipujob", str(cfg), "--image", "img", "--memory", "lots", "--", "x"]) == 2
+    assert "Kubernetes quantity" in capsys.readouterr().err
+    assert main(["poprun", str(cfg), "--setup=cd /app", "--poprun-arg=--vv", "--",
+                 "python3", "train.py", "--lr", "0.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["cd /app", "poprun --vv --num-instances 1 --num-replicas 2 "
+                   "--ipus-per-replica 4 --print-topology yes python3 train.py --lr 0.1"]
+
+
+# -- 4. --json problems on stdout, --version ---------------------------------------------------
+
+def test_plan_and_check_json_problems_on_stdout(tmp_path, capsys) -> None:
+    import json
+
+    import numpy as np
+
+    from popart_kit.cli import REFUSED, main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "inference"\nbatch_size = 4\n[accumulation]\nfactor = 4\n')
+    assert main(["plan", str(bad), "--json"]) == REFUSED
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False
+    assert {p["rule"] for p in out["problems"]} == {"V18", "K-unknown-key"}
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 4]))
+    w = b.addInitializedInputTensor(np.zeros((4, 4), np.float32))
+    with b.pipelineStage(0), b.virtualGraph(0):
+        h = b.aiOnnx.matmul([x, w])
+    with b.pipelineStage(1), b.virtualGraph(1):
+        y = b.aiOnnx.relu([h])
+    b.addOutputTensor(y)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b.getModelProto())
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('mode = "inference"\nipus_per_replica = 2\nbatches_per_step = 8\n'
+                   '[pipeline]\nenabled = true\nstages = 4\n')
+    assert main(["check", str(model), "--config", str(cfg), "--json"]) == REFUSED
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["problems"] and out["problems"][0]["rule"]
+    assert main(["check", str(model), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["forward_stages"] == 2
+
+
+def test_version(capsys) -> None:
+    from popart_kit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"popart-kit {pk.__version__}"
