@@ -390,7 +390,7 @@ class SessionConfig(_Model):
         problems = check_config(self)
         raise_errors("SessionConfig", problems)
         self._warnings = tuple(p for p in problems if p.severity == "warning")
-        emit_warnings(self._warnings, stacklevel=3)
+        emit_warnings(self._warnings)
         return self
 
     # -- derived ----------------------------------------------------------------------------

@@ -12,14 +12,13 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._problems import PopartKitWarning, Problem, raise_errors
+from ._problems import Problem, raise_errors, warn
 from .errors import DataError, DataTypeError, short
 from .shapes import (
     AnchorReturnType,
@@ -601,8 +600,7 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
     def _drop(self, count: int, why: str) -> None:
         self.dropped += count
         if count:
-            warnings.warn(f"{count} samples {why} and were dropped ({self.dropped} in all).",
-                          PopartKitWarning, stacklevel=3)
+            warn(f"{count} samples {why} and were dropped ({self.dropped} in all).")
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._done:

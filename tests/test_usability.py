@@ -267,3 +267,23 @@ def test_version(capsys) -> None:
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"popart-kit {pk.__version__}"
+
+
+# -- 5. warnings point at the user's line ------------------------------------------------------
+
+def test_warnings_are_attributed_to_the_callers_line() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pk.SessionConfig(mode="training", ipus_per_replica=4, batches_per_step=8,
+                         pipeline={"enabled": True, "stages": 4}, accumulation={"factor": 8})
+        cfg = pk.SessionConfig.model_validate({"mode": "inference", "batches_per_step": 5,
+                                               "ipus_per_replica": 4,
+                                               "pipeline": {"enabled": True, "stages": 4}})
+        io = pk.StepIOFactory(cfg, inputs={"x": pk.TensorSpec((2, 3))})
+        list(io.batches({"x": __import__("numpy").zeros((11, 3), "float32")}))
+    kit = [w for w in caught if issubclass(w.category, pk.PopartKitWarning)]
+    assert len(kit) >= 3
+    assert {w.filename for w in kit} == {__file__}, [(w.filename, w.lineno) for w in kit]
+    assert all("docs/rules.md#" in str(w.message) for w in kit[:2])
