@@ -65,8 +65,13 @@ class Problem:
     def text(self) -> str:
         return f"{self.message} Fix: {self.fix}"
 
+    @property
+    def docs(self) -> str:
+        """Where the rule is explained: its entry in the repository's rules reference."""
+        return f"docs/rules.md#{self.rule}"
+
     def __str__(self) -> str:
-        return f"{self.dotted}: {self.text()} [{self.rule}]"
+        return f"{self.dotted}: {self.text()} [{self.rule}] (see {self.docs})"
 
 
 # Which error class a title's problems raise when the caller does not say.
@@ -87,7 +92,7 @@ def raise_errors(title: str, problems: Iterable[Problem],
     """Raise one :class:`~popart_kit.errors.Invalid` (of class ``error``, by default chosen from
     ``title``) listing every error in ``problems`` after those of ``also`` (an error pydantic
     raised); with no error in ``problems``, do nothing."""
-    entries = [("popart_kit." + p.rule, p.parts, p.text(), p.value)
+    entries = [("popart_kit." + p.rule, p.parts, f"{p.text()} (see {p.docs})", p.value)
                for p in problems if p.severity == "error"]
     if entries and also is not None:
         entries = [(e["type"], e["loc"], e["msg"], e.get("input"))
@@ -100,7 +105,7 @@ def emit_warnings(problems: Iterable[Problem], stacklevel: int | None = None) ->
     """Warn once per warning problem, attributed to the user's line (see :func:`warn`)."""
     for p in problems:
         if p.severity == "warning":
-            warn(f"{p} See docs/rules.md#{p.rule}.", stacklevel=stacklevel)
+            warn(str(p), stacklevel=stacklevel)
 
 
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (pydantic, pydantic_core))
