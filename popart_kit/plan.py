@@ -134,7 +134,9 @@ class Plan:
     warnings: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: SessionConfig) -> Plan:
+    def from_config(cls, cfg: SessionConfig, micro_batch_size: int | None = None) -> Plan:
+        """The plan of ``cfg``; ``micro_batch_size`` stands in where the config leaves it
+        unset (a session passes the one its model's inputs have)."""
         rep, acc, bps = cfg.replication, cfg.accumulation.factor, cfg.batches_per_step
         training, ipus = cfg.is_training, cfg.ipus_per_replica
         num_ipus = rep.local_factor * ipus
@@ -142,7 +144,7 @@ class Plan:
         request = next_power_of_two(num_ipus) if rounded else num_ipus
         stride = request // rep.local_factor  # device IPUs per replica, idle ones included
         micro_batches = bps * acc * rep.local_factor
-        mbs = cfg.micro_batch_size
+        mbs = cfg.micro_batch_size if cfg.micro_batch_size is not None else micro_batch_size
         stages = (cfg.pipeline.stages if cfg.pipeline.enabled else 1)
         depth = pipeline_depth(stages, training) if stages is not None else None
         fill = pipeline_fill_micro_batches(training, bps, acc)

@@ -293,8 +293,11 @@ class StepIOFactory:
     # -- making arrays --------------------------------------------------------------------------
 
     def allocate_inputs(self, fill: str = "zeros", seed: int = 0) -> dict[str, np.ndarray]:
-        """One run's input arrays, zeros or random (normal floats, small ints - below the size
-        they index for index inputs - random bools)."""
+        """One run's input arrays, zeros or random: standard-normal floats, random bools, and
+        integers in ``0 .. n-1`` where ``n`` is ``index_sizes[name]`` when the input is an index
+        (a session fills ``index_sizes`` from the model: class labels of Nll,
+        NegativeLogLikelihoodLoss and SoftmaxCrossEntropyLoss, indices of Gather,
+        GatherElements and ScatterElements), else ``0 .. 9``."""
         if fill not in ("zeros", "random"):
             raise DataError(f"fill={fill!r}: use 'zeros' or 'random'.")
         rng = np.random.default_rng(seed)

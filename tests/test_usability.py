@@ -287,3 +287,56 @@ def test_warnings_are_attributed_to_the_callers_line() -> None:
     assert len(kit) >= 3
     assert {w.filename for w in kit} == {__file__}, [(w.filename, w.lineno) for w in kit]
     assert all("docs/rules.md#" in str(w.message) for w in kit[:2])
+
+
+# -- 2. micro_batch_size against the model -----------------------------------------------------
+
+def _linear(batch: int = 8):
+    import numpy as np
+
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [batch, 16]))
+    w = b.addInitializedInputTensor(np.zeros((16, 4), np.float32))
+    y = b.aiOnnx.matmul([x, w])
+    b.addOutputTensor(y)
+    return b.getModelProto(), x, y
+
+
+def test_session_refuses_a_micro_batch_size_the_inputs_do_not_have() -> None:
+    model, x, _ = _linear(8)
+    cfg = pk.SessionConfig(mode="inference", batches_per_step=3, micro_batch_size=4)
+    with pytest.raises(pk.ConfigError, match=rf"micro_batch_size=4.*'{x}' has 8.*"
+                                             r"Fix: set micro_batch_size=8") as info:
+        pk.InferenceSession(model, cfg, backend="xla")
+    assert info.value.rule == "K-micro-batch-size"
+
+
+def test_session_plan_counts_the_samples_a_run_processes() -> None:
+    model, x, y = _linear(8)
+    sess = pk.InferenceSession(model, pk.SessionConfig(mode="inference", batches_per_step=3),
+                               backend="xla")
+    assert sess.plan.micro_batch_size == 8
+    out = sess.run(sess.io.allocate_inputs("random"))
+    assert sess.plan.samples_per_step == out[y].shape[0] * out[y].shape[1] == 24
+    same = pk.InferenceSession(model, pk.SessionConfig(mode="inference", batches_per_step=3,
+                                                       micro_batch_size=8), backend="xla")
+    assert same.plan == sess.plan
+
+
+# -- 10. random integer inputs in the range the model says --------------------------------------
+
+def test_random_labels_stay_below_the_class_count_of_onnx_losses() -> None:
+    import numpy as np
+
+    b = pk.Builder(opsets={"ai.onnx": 13})
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [4, 3]))
+    label = b.addInputTensor(pk.TensorInfo("INT64", [4]))
+    w = b.addInitializedInputTensor(np.zeros((3, 5), np.float32))
+    scores = b.aiOnnx.logsoftmax([b.aiOnnx.matmul([x, w])])
+    loss = b.aiOnnx.negativeloglikelihoodloss([scores, label])
+    b.addOutputTensor(loss)
+    sess = pk.InferenceSession(b.getModelProto(), pk.SessionConfig(
+        mode="inference", batches_per_step=50), anchors={loss: "All"}, backend="xla")
+    labels = sess.io.allocate_inputs("random", seed=1)[label]
+    assert labels.min() >= 0 and labels.max() == 4  # 5 classes: 0..4 drawn, never 5..9
+    sess.run(sess.io.allocate_inputs("random", seed=1))  # the index check accepts them
