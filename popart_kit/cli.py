@@ -204,6 +204,21 @@ def _ipujob(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_dir(args: argparse.Namespace) -> int:
+    """A table of what an xla session wrote to profiling.auto_report_dir."""
+    from rich.table import Table
+
+    from .backends.xla.profiling import summary
+
+    table = Table(title=f"xla profile: {args.dir}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in summary(args.dir):
+        table.add_row(what, value)
+    Console().print(table, soft_wrap=True)
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(json.dumps(SessionConfig.model_json_schema(), indent=2))
     return 0
@@ -252,6 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     ipujob.add_argument("--shm-size", default="10Gi", help="/dev/shm size (default 10Gi)")
     _launch_arguments(ipujob)
     ipujob.set_defaults(run=_ipujob)
+    report = commands.add_parser("report", help="summarise the profile an xla session wrote to "
+                                                "profiling.auto_report_dir")
+    report.add_argument("dir", help="the profiling.auto_report_dir of a session")
+    report.set_defaults(run=_report_dir)
     schema = commands.add_parser("schema", help="print the SessionConfig JSON Schema")
     schema.set_defaults(run=_schema)
     run = commands.add_parser("run", help="run a PopART program unchanged: 'import popart' "

@@ -340,3 +340,28 @@ def test_random_labels_stay_below_the_class_count_of_onnx_losses() -> None:
     labels = sess.io.allocate_inputs("random", seed=1)[label]
     assert labels.min() >= 0 and labels.max() == 4  # 5 classes: 0..4 drawn, never 5..9
     sess.run(sess.io.allocate_inputs("random", seed=1))  # the index check accepts them
+
+
+# -- 7. profiling on xla -----------------------------------------------------------------------
+
+def test_xla_session_writes_a_profile_and_report_summarises_it(tmp_path, capsys) -> None:
+    import json
+
+    from popart_kit.cli import main
+
+    model, x, y = _linear(8)
+    folder = tmp_path / "prof"
+    cfg = pk.SessionConfig(mode="inference", batches_per_step=2,
+                           profiling={"auto_report_dir": str(folder)})
+    sess = pk.InferenceSession(model, cfg, backend="xla")
+    for _ in range(2):
+        sess.run(sess.io.allocate_inputs("random"))
+    report = json.loads((folder / "popart_kit_report.json").read_text())
+    assert report["compile_seconds"] > 0 and len(report["run_seconds"]) == 2
+    assert report["programs"] and report["programs"][0]["memory"]
+    assert report["programs"][0]["cost"].get("flops", 0) >= 2 * 8 * 16 * 4 * 2
+    assert any(p.is_file() for p in (folder / "trace").rglob("*"))  # jax.profiler's trace
+    assert main(["report", str(folder)]) == 0
+    table = capsys.readouterr().out
+    assert "compile time" in table and "flops" in table and "trace files" in table
+    assert main(["report", str(tmp_path / "nothing")]) == 2
