@@ -365,3 +365,35 @@ def test_xla_session_writes_a_profile_and_report_summarises_it(tmp_path, capsys)
     table = capsys.readouterr().out
     assert "compile time" in table and "flops" in table and "trace files" in table
     assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+# -- 9. docs in the repository -----------------------------------------------------------------
+
+def test_rules_reference_lists_every_rule_and_is_generated() -> None:
+    import re
+    from pathlib import Path
+
+    from popart_kit._rule_docs import RULES, markdown
+
+    root = Path(pk.__file__).parent
+    used = set()
+    for path in root.rglob("*.py"):
+        used |= set(re.findall(r"[\"'](V\d+|K-[a-z0-9-]+)[\"']", path.read_text()))
+    used |= {"K-sgd-finite", "K-adam-finite", "K-adam-beta1", "K-adam-beta2"}  # built names
+    assert used - set(RULES) == set(), "rules without an entry in _rule_docs.RULES"
+    docs = root.parent / "docs"
+    assert (docs / "rules.md").read_text() == markdown(), \
+        "regenerate: python -m popart_kit._rule_docs > docs/rules.md"
+    assert (docs / "design.md").is_file()
+
+
+def test_package_and_docs_refer_to_nothing_outside_the_repository() -> None:
+    from pathlib import Path
+
+    root = Path(pk.__file__).parent.parent
+    files = [*root.joinpath("popart_kit").rglob("*.py"), *root.joinpath("docs").rglob("*.md"),
+             root / "README.md"]
+    for path in files:
+        text = path.read_text()
+        for outside in ("DESIGN.md", "shared/", "seed 0", "seeds/"):
+            assert outside not in text, f"{path} refers to {outside}"
