@@ -10,7 +10,8 @@ _KIT = "kit rule: PopART accepts this or fails later"
 # id: (what it checks, the PopART behaviour it mirrors)
 RULES: dict[str, tuple[str, str]] = {
     # -- PopART's own checks (willow sources), reported before anything compiles -------------------
-    "V1": ("Pipelining needs more than one IPU per replica and a virtual graph mode other than off.",
+    "V1": ("Pipelining needs more than one IPU per replica and a virtual graph mode that is "
+           "not off.",
            "ir.cpp verifyPipelineSettings: 'Pipelining requires more than 1 IPU'."),
     "V2": ("Pipelining with virtual_graph_mode off.",
            "transforms/pipeline.cpp: 'Pipelining requires the virtualGraphMode ... not Off'."),

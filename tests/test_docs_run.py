@@ -28,7 +28,7 @@ def test_readme_python_blocks_run_as_written(monkeypatch) -> None:
             try:
                 exec(compile(block, f"README.md block {i}", "exec"), namespace)
             except Exception as err:  # pragma: no cover - the message says which block
-                raise AssertionError(f"README.md python block {i} fails: {err!r}\n{block}")
+                raise AssertionError(f"README.md python block {i} fails: {err!r}\n{block}") from err
 
 
 def test_every_example_config_with_train_py_runs_or_is_refused_clearly() -> None:
