@@ -63,13 +63,22 @@ def main() -> None:
     console = Console()
     warnings.simplefilter("ignore", pk.PopartKitWarning)
 
-    cfg = pk.SessionConfig.from_file(args.config)
-    plan = cfg.plan()
-    console.print(plan.render())
-    model, t = build(cfg.micro_batch_size)
-    session = pk.TrainingSession(model, cfg, loss=t["loss"],
-                                 optimizer=pk.SGD(learning_rate=args.learning_rate, momentum=0.9),
-                                 anchors={t["loss"]: "All"}, backend=args.backend)
+    try:
+        cfg = pk.SessionConfig.from_file(args.config)
+        plan = cfg.plan()
+        console.print(plan.render())
+        model, t = build(cfg.micro_batch_size or 16)
+        session = pk.TrainingSession(model, cfg, loss=t["loss"],
+                                     optimizer=pk.SGD(learning_rate=args.learning_rate,
+                                                      momentum=0.9),
+                                     anchors={t["loss"]: "All"}, backend=args.backend)
+        plan = session.plan
+    except pk.PopartKitError as err:
+        console.print(f"[red]{args.config} does not fit this example.[/red] train.py trains a "
+                      f"classifier in 2 pipeline stages: it takes a training config of one "
+                      f"instance with pipeline.stages 2 or unset (examples/configs/"
+                      f"train_classifier.toml, single_ipu.toml).\n{err}", soft_wrap=True)
+        raise SystemExit(2) from None
     console.print(f"backend: [bold]{session.backend}[/bold]; {plan.samples_per_step} samples "
                   f"per run on {plan.local_replicas} replicas")
     features, labels = dataset(plan.samples_per_step * args.runs, seed=1)

@@ -3,7 +3,8 @@
 Out-of-range indices do not fail on an accelerator: XLA clamps them and PopART reads whatever
 lies there, so a label of 7 for 3 classes gives a finite loss and a wrong update.
 :class:`IndexChecks` finds, once per model, the graph inputs used directly as indices - the
-label of PopART's Nll (``ai.graphcore``), the indices of Gather, GatherElements and
+label of PopART's Nll (``ai.graphcore``) and of ONNX's NegativeLogLikelihoodLoss and
+SoftmaxCrossEntropyLoss, the indices of Gather, GatherElements and
 ScatterElements - and the size they index (from shape inference), and refuses a run whose
 arrays hold values outside it, naming the tensor, the node and the offending values. The xla
 backend computes int64 as int32, so int64 values outside int32's range are refused too.
@@ -26,6 +27,8 @@ __all__ = ["IndexChecks", "IndexRange"]
 
 _INT32 = np.iinfo(np.int32)
 _SHOW = 5  # offending values quoted
+_ONNX_CLASS_LOSSES = ("NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss")
+_INDEXING = ("Nll", "Gather", "GatherElements", "ScatterElements", *_ONNX_CLASS_LOSSES)
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,7 @@ class IndexChecks:
     def from_model(cls, model: onnx.ModelProto) -> IndexChecks:
         graph = model.graph
         inputs = {v.name for v in graph.input} - {t.name for t in graph.initializer}
-        shapes = _shapes(model) if any(n.op_type in ("Nll", "Gather", "GatherElements",
-                                                     "ScatterElements") for n in graph.node) else {}
+        shapes = _shapes(model) if any(n.op_type in _INDEXING for n in graph.node) else {}
         ranges = []
         for i, node in enumerate(graph.node):
             label = f"{node.name or (node.output[0] if node.output else f'#{i}')} ({node.op_type})"
@@ -88,6 +90,11 @@ class IndexChecks:
                 if size:
                     ranges.append(IndexRange(node.input[1], label, size, 0,
                                              _attr(node, "ignoreIndex", None)))
+            elif node.op_type in _ONNX_CLASS_LOSSES and node.domain in ("", "ai.onnx"):
+                size = data[1] if data and len(data) > 1 else None
+                if size:  # scores are [N, C, ...]: labels index C
+                    ranges.append(IndexRange(node.input[1], label, size, 0,
+                                             _attr(node, "ignore_index", None)))
             elif node.op_type in ("Gather", "GatherElements", "ScatterElements") and (
                     node.domain in ("", "ai.onnx")) and data:
                 axis = _attr(node, "axis", 0)

@@ -8,16 +8,21 @@ warnings become :class:`PopartKitWarning`.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pydantic
+import pydantic_core
 from pydantic import ValidationError
 
 from .errors import Invalid, InvalidConfig, InvalidData, InvalidModel
 
-__all__ = ["Problem", "PopartKitWarning", "raise_errors", "emit_warnings"]
+__all__ = ["Problem", "PopartKitWarning", "raise_errors", "emit_warnings", "warn",
+           "user_stacklevel"]
 
 
 class PopartKitWarning(UserWarning):
@@ -60,8 +65,13 @@ class Problem:
     def text(self) -> str:
         return f"{self.message} Fix: {self.fix}"
 
+    @property
+    def docs(self) -> str:
+        """Where the rule is explained: its entry in the repository's rules reference."""
+        return f"docs/rules.md#{self.rule}"
+
     def __str__(self) -> str:
-        return f"{self.dotted}: {self.text()} [{self.rule}]"
+        return f"{self.dotted}: {self.text()} [{self.rule}] (see {self.docs})"
 
 
 # Which error class a title's problems raise when the caller does not say.
@@ -82,7 +92,7 @@ def raise_errors(title: str, problems: Iterable[Problem],
     """Raise one :class:`~popart_kit.errors.Invalid` (of class ``error``, by default chosen from
     ``title``) listing every error in ``problems`` after those of ``also`` (an error pydantic
     raised); with no error in ``problems``, do nothing."""
-    entries = [("popart_kit." + p.rule, p.parts, p.text(), p.value)
+    entries = [("popart_kit." + p.rule, p.parts, f"{p.text()} (see {p.docs})", p.value)
                for p in problems if p.severity == "error"]
     if entries and also is not None:
         entries = [(e["type"], e["loc"], e["msg"], e.get("input"))
@@ -91,7 +101,29 @@ def raise_errors(title: str, problems: Iterable[Problem],
         raise (error or _kind(title)).of(title, entries)
 
 
-def emit_warnings(problems: Iterable[Problem], stacklevel: int = 2) -> None:
+def emit_warnings(problems: Iterable[Problem], stacklevel: int | None = None) -> None:
+    """Warn once per warning problem, attributed to the user's line (see :func:`warn`)."""
     for p in problems:
         if p.severity == "warning":
-            warnings.warn(str(p), PopartKitWarning, stacklevel=stacklevel + 1)
+            warn(str(p), stacklevel=stacklevel)
+
+
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (pydantic, pydantic_core))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside popart_kit (and pydantic, which runs the
+    kit's validators), counted from the function that calls :func:`warnings.warn`."""
+    frame, level = sys._getframe(2), 2  # the caller of warn(): stacklevel 2
+    while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, *_INTERNAL))
+                                 or frame.f_code.co_filename.startswith("<frozen")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn(message: str, category: type[Warning] = PopartKitWarning,
+         stacklevel: int | None = None) -> None:
+    """``warnings.warn`` attributed to the first frame outside popart_kit (the user's code),
+    whatever the depth of the kit's call stack; ``stacklevel`` overrides it."""
+    warnings.warn(message, category, stacklevel=stacklevel or user_stacklevel())

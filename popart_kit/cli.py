@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 from rich.console import Console
 
 from ._problems import PopartKitWarning
-from .errors import PopartKitError, clip
+from .errors import ConfigError, PopartKitError, clip
 from ._render import allocation_view, plan_view, problems_view
 from .config import SessionConfig
 
@@ -34,13 +36,32 @@ def _problems(err: Console, title: str, rows: list[tuple[str, str]]) -> None:
     err.print(problems_view(title, rows), soft_wrap=True)
 
 
-def _load(path: str, err: Console) -> SessionConfig | None:
-    """The config at ``path``, or None after printing every problem it has."""
+def _load(path: str, err: Console, as_json: bool = False) -> SessionConfig | None:
+    """The config at ``path``, or None after printing every problem it has (as JSON on stdout
+    when ``as_json``)."""
     try:
         return SessionConfig.from_file(path)
     except PopartKitError as exc:
-        _report(err, path, exc)
+        if as_json:
+            _json_problems(path, _entries(exc))
+        else:
+            _report(err, path, exc)
     return None
+
+
+def _entries(exc: PopartKitError) -> list[dict[str, str]]:
+    """Every problem of ``exc`` as ``{"loc", "rule", "message"}``."""
+    if isinstance(exc, ValidationError):
+        return [{"loc": _loc(e), "rule": e["type"].removeprefix("popart_kit."),
+                 "message": clip(e["msg"], 2000)} for e in exc.errors(include_url=False)]
+    return [{"loc": "(file)", "rule": exc.rule or "", "message": clip(str(exc), 2000)}]
+
+
+def _json_problems(source: str, problems: list[dict[str, str]],
+                   warnings: list[dict[str, str]] = ()) -> None:
+    """The refusal as JSON on stdout: ``{"ok": false, "source", "problems", "warnings"}``."""
+    print(json.dumps({"ok": False, "source": source, "problems": problems,
+                      "warnings": list(warnings)}, indent=2))
 
 
 def _report(err: Console, title: str, exc: PopartKitError) -> None:
@@ -68,15 +89,19 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _show_plan(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
-    cfg = _load(args.config, err)
+    cfg = _load(args.config, err, args.json)
     if cfg is None:
         return REFUSED
     if args.instance is not None:
         rep = cfg.replication
         if not 0 <= args.instance < rep.instances:
-            _problems(err, args.config, [(
-                "--instance", f"instance {args.instance} does not exist: the config describes "
-                              f"{rep.instances} instance(s), 0..{rep.instances - 1}.")])
+            message = (f"instance {args.instance} does not exist: the config describes "
+                       f"{rep.instances} instance(s), 0..{rep.instances - 1}.")
+            if args.json:
+                _json_problems(args.config, [{"loc": "--instance", "rule": "K-cli-instance",
+                                              "message": message}])
+            else:
+                _problems(err, args.config, [("--instance", message)])
             return REFUSED
         cfg = cfg.updated(replication=rep.model_copy(
             update={"global_offset": args.instance * rep.local_factor}))
@@ -95,38 +120,102 @@ def _check(args: argparse.Namespace) -> int:
     from .layout import PipelineLayout, load_model
 
     out, err = Console(), Console(stderr=True)
-    cfg = _load(args.config, err) if args.config else None
+    as_json = args.json
+
+    def refuse(title: str, problems: list[dict[str, str]], warned: list = ()) -> int:
+        if as_json:
+            _json_problems(title, problems, warned)
+        else:
+            _problems(err, title, [(p["loc"], f"{p['message']} [{p['rule']}]" if p["rule"]
+                                    else p["message"]) for p in problems])
+        return REFUSED
+
+    def rows(found: list) -> list[dict[str, str]]:
+        return [{"loc": p.dotted, "rule": p.rule, "message": p.text()} for p in found]
+
+    cfg = _load(args.config, err, as_json) if args.config else None
     if args.config and cfg is None:
         return REFUSED
     try:
         model = load_model(args.model)
     except PopartKitError as exc:
-        _report(err, args.model, exc)
-        return REFUSED
-    invalid = [(p.dotted, f"{p.text()} [{p.rule}]") for p in model_problems(model)
-               if p.severity == "error"]
+        return refuse(args.model, _entries(exc))
+    invalid = [p for p in model_problems(model) if p.severity == "error"]
     if invalid:
-        _problems(err, f"{args.model} is not a valid ONNX model", invalid)
-        return REFUSED
+        return refuse(f"{args.model} is not a valid ONNX model", rows(invalid))
     try:
         layout = PipelineLayout.from_model(model)
     except PopartKitError as exc:
-        _report(err, args.model, exc)
-        return REFUSED
+        return refuse(args.model, _entries(exc))
+    found = layout.problems(cfg) if cfg is not None else []
+    errors = [p for p in found if p.severity == "error"]
+    warned = [p for p in found if p.severity == "warning"]
+    if errors:
+        return refuse(f"{args.model} under {args.config}", rows(errors), rows(warned))
+    if as_json:
+        print(json.dumps({"ok": True, "source": args.model, "problems": [],
+                          "warnings": rows(warned),
+                          "forward_stages": layout.forward_stages,
+                          "depth": {"inference": layout.depth(training=False),
+                                    "training": layout.depth(training=True)}}, indent=2))
+        return 0
     out.print(allocation_view(layout))
     out.print(f"forward stages {layout.forward_stages}; depth {layout.depth(training=False)} "
               f"in inference, {layout.depth(training=True)} in training")
+    for p in warned:
+        err.print(f"[yellow]warning[/yellow] {p}", soft_wrap=True)
+    if cfg is not None:
+        out.print(f"[green]{args.model} fits {args.config}[/green]")
+    return 0
+
+
+@_quietly
+def _poprun(args: argparse.Namespace) -> int:
+    """The setup commands, then the poprun command line, as a shell script."""
+    cfg = _load(args.config, Console(stderr=True))
     if cfg is None:
-        return 0
-    found = layout.problems(cfg)
-    errors = [(p.dotted, p.text()) for p in found if p.severity == "error"]
-    for p in found:
-        if p.severity == "warning":
-            err.print(f"[yellow]warning[/yellow] {p}", soft_wrap=True)
-    if errors:
-        _problems(err, f"{args.model} under {args.config}", errors)
         return REFUSED
-    out.print(f"[green]{args.model} fits {args.config}[/green]")
+    if not args.program:
+        raise ConfigError("no program: give it after '--', e.g. popart-kit poprun CONFIG -- "
+                          "python3 train.py", rule="K-launch-program")
+    command = cfg.plan().poprun_command(args.program, poprun_args=args.poprun_arg or ())
+    for line in args.setup or ():
+        print(line)
+    print(shlex.join(command))
+    return 0
+
+
+@_quietly
+def _ipujob(args: argparse.Namespace) -> int:
+    """A Kubernetes IPUJob as YAML on stdout, for ``kubectl create -f -``."""
+    from ._launch import k8s_name
+
+    cfg = _load(args.config, Console(stderr=True))
+    if cfg is None:
+        return REFUSED
+    if not args.program:
+        raise ConfigError("no program: give it after '--', e.g. popart-kit ipujob CONFIG "
+                          "--image IMAGE -- python3 train.py", rule="K-launch-program")
+    name = args.name if args.name is not None else k8s_name(Path(args.config).stem)
+    sys.stdout.write(cfg.plan().ipujob_yaml(
+        args.image, args.program, name, setup=args.setup or (),
+        poprun_args=args.poprun_arg or (), cpu=args.cpu, memory=args.memory,
+        shm_size=args.shm_size))
+    return 0
+
+
+def _report_dir(args: argparse.Namespace) -> int:
+    """A table of what an xla session wrote to profiling.auto_report_dir."""
+    from rich.table import Table
+
+    from .backends.xla.profiling import summary
+
+    table = Table(title=f"xla profile: {args.dir}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in summary(args.dir):
+        table.add_row(what, value)
+    Console().print(table, soft_wrap=True)
     return 0
 
 
@@ -137,10 +226,12 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="popart-kit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"popart-kit {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="validate a config and show its plan")
     plan.add_argument("config", help="a SessionConfig file (.toml, .yaml, .json)")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--json", action="store_true",
+                      help="print the plan, or every problem, as JSON on stdout")
     plan.add_argument("--instance", type=int, default=None,
                       help="show the plan of this instance of a distributed config")
     plan.set_defaults(run=_plan)
@@ -148,7 +239,38 @@ def _parser() -> argparse.ArgumentParser:
                                               "check them against a config")
     check.add_argument("model", help="an ONNX model (.onnx)")
     check.add_argument("--config", help="a SessionConfig file to check the model against")
+    check.add_argument("--json", action="store_true",
+                       help="print the result, or every problem, as JSON on stdout")
     check.set_defaults(run=_check)
+    launch_note = ("Arguments starting with '-' are given with '=': --setup='cd /app', "
+                   "--poprun-arg=--vv, --poprun-arg=--mpi-global-args=--tag-output.")
+    poprun = commands.add_parser(
+        "poprun", help="print the poprun command of a config (after its setup commands)",
+        usage="popart-kit poprun CONFIG [--setup CMD ...] [--poprun-arg ARG ...] -- PROGRAM "
+              "ARGS", epilog=launch_note)
+    poprun.add_argument("config", help="a SessionConfig file")
+    _launch_arguments(poprun)
+    poprun.set_defaults(run=_poprun)
+    ipujob = commands.add_parser(
+        "ipujob", help="print a Kubernetes IPUJob (YAML) that runs the program on the config's "
+                       "topology: pipe it to kubectl create -f -",
+        usage="popart-kit ipujob CONFIG --image IMAGE [--name NAME] [--setup CMD ...] "
+              "[--poprun-arg ARG ...] [--memory 200Gi] [--cpu N] -- PROGRAM ARGS",
+        epilog=launch_note)
+    ipujob.add_argument("config", help="a SessionConfig file")
+    ipujob.add_argument("--image", required=True, help="container image, e.g. "
+                                                       "graphcore/pytorch:3.3.0")
+    ipujob.add_argument("--name", help="job and container name (a DNS-1123 label); default: "
+                                       "from the config file's name")
+    ipujob.add_argument("--memory", default="200Gi", help="memory limit (default 200Gi)")
+    ipujob.add_argument("--cpu", type=int, default=32, help="CPU limit (default 32)")
+    ipujob.add_argument("--shm-size", default="10Gi", help="/dev/shm size (default 10Gi)")
+    _launch_arguments(ipujob)
+    ipujob.set_defaults(run=_ipujob)
+    report = commands.add_parser("report", help="summarise the profile an xla session wrote to "
+                                                "profiling.auto_report_dir")
+    report.add_argument("dir", help="the profiling.auto_report_dir of a session")
+    report.set_defaults(run=_report_dir)
     schema = commands.add_parser("schema", help="print the SessionConfig JSON Schema")
     schema.set_defaults(run=_schema)
     run = commands.add_parser("run", help="run a PopART program unchanged: 'import popart' "
@@ -159,6 +281,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--setup", action="append", metavar="CMD",
+                        help="a shell command run before poprun (repeatable, in order)")
+    parser.add_argument("--poprun-arg", action="append", metavar="ARG",
+                        help="an extra poprun argument (repeatable)")
+    parser.set_defaults(program=[])
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("popart-kit")
+    except PackageNotFoundError:  # run from a source tree
+        from . import __version__
+
+        return __version__
+
+
 def _run_script(args: argparse.Namespace) -> int:
     from .popart._script import run_script
 
@@ -166,7 +307,14 @@ def _run_script(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program: list[str] = []
+    if argv[:1] in (["poprun"], ["ipujob"]) and "--" in argv:
+        cut = argv.index("--")
+        argv, program = argv[:cut], argv[cut + 1:]
     args = _parser().parse_args(argv)
+    if program:
+        args.program = program
     try:
         return args.run(args)
     except PopartKitError as exc:  # a refusal a command did not report itself

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 from . import _config_files, _names
 from . import _popart_catalog as catalog
 from ._problems import Problem, emit_warnings, raise_errors
+from ._unknown_keys import split_unknown
 from .errors import ConfigError, InvalidConfig
 
 if TYPE_CHECKING:
@@ -73,34 +74,60 @@ NonNegativeInt = Annotated[int, Field(ge=0), AfterValidator(_bounded)]
 
 
 class _Model(BaseModel):
-    """A pydantic model whose refusals are :class:`~popart_kit.errors.InvalidConfig`."""
+    """A pydantic model whose refusals are :class:`~popart_kit.errors.InvalidConfig`, and whose
+    unknown keys are reported with every other problem, each with a "did you mean"."""
+
+    _ACCEPTED_ALIASES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, /, **data: Any) -> None:
+        data, unknown = _split(type(self), data)
         try:
             super().__init__(**data)
         except ValidationError as err:
-            raise InvalidConfig.wrap(err) from None
+            _refuse(type(self), unknown, err)
+        _refuse(type(self), unknown)
 
     @classmethod
     def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        obj, unknown = _split(cls, obj)
         try:
-            return super().model_validate(obj, *args, **kwargs)
+            out = super().model_validate(obj, *args, **kwargs)
         except ValidationError as err:
-            raise InvalidConfig.wrap(err) from None
+            _refuse(cls, unknown, err)
+        _refuse(cls, unknown)
+        return out
 
     @classmethod
     def model_validate_json(cls, json_data: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().model_validate_json(json_data, *args, **kwargs)
-        except ValidationError as err:
-            raise InvalidConfig.wrap(err) from None
+        return cls.model_validate(json.loads(json_data), *args, **kwargs)
 
     @classmethod
     def model_validate_strings(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        obj, unknown = _split(cls, obj)
         try:
-            return super().model_validate_strings(obj, *args, **kwargs)
+            out = super().model_validate_strings(obj, *args, **kwargs)
         except ValidationError as err:
-            raise InvalidConfig.wrap(err) from None
+            _refuse(cls, unknown, err)
+        _refuse(cls, unknown)
+        return out
+
+
+def _split(cls: type[BaseModel], data: Any) -> tuple[Any, list[Problem]]:
+    """``data`` without its unknown keys (nested sections too), and those keys as problems."""
+    if not isinstance(data, Mapping) or cls.model_config.get("extra") != "forbid":
+        return data, []
+    return split_unknown(cls, data)
+
+
+def _refuse(cls: type[BaseModel], unknown: list[Problem],
+            err: ValidationError | None = None) -> None:
+    """Raise the unknown keys with pydantic's other errors; with neither, do nothing."""
+    if err is None:
+        raise_errors(cls.__name__, unknown, error=InvalidConfig)
+        return
+    if unknown:
+        raise_errors(err.title, unknown, also=err, error=InvalidConfig)
+    raise InvalidConfig.wrap(err) from None
 
 
 class _Section(_Model):
@@ -311,6 +338,7 @@ class SessionConfig(_Model):
         description="Any other popart.SessionOptions attribute, by its PopART name.")
 
     _warnings: tuple[Problem, ...] = PrivateAttr(default=())
+    _ACCEPTED_ALIASES: ClassVar[tuple[str, ...]] = ("device_iterations",)
 
     @model_validator(mode="before")
     @classmethod
@@ -362,7 +390,7 @@ class SessionConfig(_Model):
         problems = check_config(self)
         raise_errors("SessionConfig", problems)
         self._warnings = tuple(p for p in problems if p.severity == "warning")
-        emit_warnings(self._warnings, stacklevel=3)
+        emit_warnings(self._warnings)
         return self
 
     # -- derived ----------------------------------------------------------------------------

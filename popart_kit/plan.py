@@ -134,7 +134,9 @@ class Plan:
     warnings: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: SessionConfig) -> Plan:
+    def from_config(cls, cfg: SessionConfig, micro_batch_size: int | None = None) -> Plan:
+        """The plan of ``cfg``; ``micro_batch_size`` stands in where the config leaves it
+        unset (a session passes the one its model's inputs have)."""
         rep, acc, bps = cfg.replication, cfg.accumulation.factor, cfg.batches_per_step
         training, ipus = cfg.is_training, cfg.ipus_per_replica
         num_ipus = rep.local_factor * ipus
@@ -142,7 +144,7 @@ class Plan:
         request = next_power_of_two(num_ipus) if rounded else num_ipus
         stride = request // rep.local_factor  # device IPUs per replica, idle ones included
         micro_batches = bps * acc * rep.local_factor
-        mbs = cfg.micro_batch_size
+        mbs = cfg.micro_batch_size if cfg.micro_batch_size is not None else micro_batch_size
         stages = (cfg.pipeline.stages if cfg.pipeline.enabled else 1)
         depth = pipeline_depth(stages, training) if stages is not None else None
         fill = pipeline_fill_micro_batches(training, bps, acc)
@@ -195,32 +197,59 @@ class Plan:
     # -- launch artefacts -------------------------------------------------------------------
 
     def poprun_command(self, program: str | Sequence[str], *, vipu_partition: str | None = None,
-                       hosts: Sequence[str] = (), allow_run_as_root: bool = False) -> list[str]:
-        """The poprun invocation that starts every instance of this session."""
+                       hosts: Sequence[str] = (), allow_run_as_root: bool = False,
+                       poprun_args: Sequence[str] = ()) -> list[str]:
+        """The poprun invocation that starts every instance of this session.
+
+        ``program`` is one command (a string is split as a shell would; one holding ``;``,
+        ``&&``, ``|`` ... is refused: setup goes before poprun, see :meth:`ipujob_manifest`).
+        ``poprun_args`` (e.g. ``["--vv", "--mpi-global-args=--tag-output"]``) go after the
+        kit's first arguments; those the config decides (``--num-replicas``, ...) are refused.
+        The kit adds ``--print-topology yes`` so that the log shows which IPUs each instance got.
+        """
+        from ._launch import check_poprun_args, program_args
+
+        argv = program_args(program)
         args = ["poprun"] + (["--allow-run-as-root", "1"] if allow_run_as_root else [])
+        args += check_poprun_args(poprun_args)
         args += ["--num-instances", str(self.instances),
-                "--num-replicas", str(self.global_replicas),
-                "--ipus-per-replica", str(self.ipus_per_replica)]
+                 "--num-replicas", str(self.global_replicas),
+                 "--ipus-per-replica", str(self.ipus_per_replica)]
         if vipu_partition:
             args += ["--vipu-partition", vipu_partition]
         if hosts:
             args += ["--host", ",".join(hosts)]
         args += ["--print-topology", "yes"]
-        return args + (shlex.split(program) if isinstance(program, str) else list(program))
+        return args + argv
 
     def ipujob_manifest(self, image: str, command: str | Sequence[str], name: str, *,
-                        cpu: int = 32, memory: str = "128Gi",
+                        setup: Sequence[str] = (), poprun_args: Sequence[str] = (),
+                        cpu: int = 32, memory: str = "200Gi",
                         shm_size: str = "10Gi") -> dict[str, Any]:
         """A Graphcore IPUJob resource for Kubernetes that runs ``command`` on this topology.
 
-        A replicated job runs under poprun inside the one worker, as in Graphcore's POD64
-        example (seed 004); the job asks for the IPUs of all instances.
+        The container's script runs the ``setup`` shell commands (one per line, as in Graphcore's
+        examples) and then ``command``: under poprun when replicated (the job asks for the IPUs
+        of all instances), else directly. ``memory`` is the container's limit (Kubernetes
+        requests as much when no request is given); 200Gi as in Graphcore's POD examples.
+        ``name`` must be a Kubernetes DNS-1123 label. :meth:`ipujob_yaml` gives the YAML.
         """
-        program = command if isinstance(command, str) else shlex.join(command)
+        from ._launch import check_k8s, program_args
+
+        check_k8s(name, image, cpu, memory, shm_size)
+        argv = program_args(command)
         if self.global_replicas > 1:
-            poprun = shlex.join(self.poprun_command([], allow_run_as_root=True))
-            root = "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1"
-            program = f"{root} {poprun} {program}"
+            poprun = shlex.join(self.poprun_command(argv, allow_run_as_root=True,
+                                                    poprun_args=poprun_args))
+            program = f"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_ALLOW_RUN_AS_ROOT=1 {poprun}"
+        else:
+            if poprun_args:
+                raise ConfigError(f"poprun_args={list(poprun_args)} given, but this session has "
+                                  f"one replica and runs without poprun. Fix: leave them out, "
+                                  f"or replicate.", rule="K-launch-poprun-args")
+            program = shlex.join(argv)
+        setup = [str(c).strip() for c in setup if str(c).strip()]
+        script = "\n".join([*setup, program]) + ("\n" if setup else "")
         spec: dict[str, Any] = {"jobInstances": 1}
         if self.global_replicas > 1:
             spec["modelReplicasPerWorker"] = str(self.global_replicas)
@@ -230,19 +259,25 @@ class Plan:
                 "name": name,
                 "image": image,
                 "command": ["/bin/bash", "-c", "--"],
-                "args": [program],
-                "resources": {"limits": {"cpu": cpu, "memory": memory},
-                              "requests": {"memory": memory}},
+                "args": [script],
+                "resources": {"limits": {"cpu": cpu, "memory": memory}},
                 "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
                 "volumeMounts": [{"mountPath": "/dev/shm", "name": "devshm"}],
             }],
             "restartPolicy": "Never",
             "hostIPC": True,
-            "volumes": [{"name": "devshm",
-                         "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}],
+            "volumes": [{"emptyDir": {"medium": "Memory", "sizeLimit": shm_size},
+                         "name": "devshm"}],
         }}}
         return {"apiVersion": "graphcore.ai/v1alpha1", "kind": "IPUJob",
                 "metadata": {"generateName": f"{name}-"}, "spec": spec}
+
+    def ipujob_yaml(self, image: str, command: str | Sequence[str], name: str,
+                    **options: Any) -> str:
+        """:meth:`ipujob_manifest` as the YAML ``kubectl create -f -`` reads."""
+        from ._launch import to_yaml
+
+        return to_yaml(self.ipujob_manifest(image, command, name, **options))
 
     def render(self, width: int = 100) -> str:
         """Readable tables of the plan (what ``popart-kit plan`` prints)."""

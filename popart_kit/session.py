@@ -21,11 +21,13 @@ from pydantic import ValidationError
 
 from ._index_check import IndexChecks
 from ._model_check import check_model
+from ._unknown_keys import checked_keywords
 from .backends.base import BACKENDS, Backend, TrainingBackend, make_backend
 from .config import SessionConfig
 from .errors import ConfigError, ConfigTypeError, DataTypeError, InvalidConfig, clip
 from .layout import PipelineLayout, load_model
 from .optimizers import SGD, Adam
+from .plan import Plan
 from .shapes import AnchorReturnType
 from .stepio import StepIOFactory
 
@@ -50,6 +52,7 @@ class _Session:
         self.model = load_model(model)
         check_model(self.model)
         self.layout = PipelineLayout.from_model(self.model)
+        self.micro_batch_size = _micro_batch_size(self.model, config)
         if config.pipeline.enabled or self.layout.is_annotated:
             self.layout.check(config)
         self.anchors = {name: AnchorReturnType.of(art) for name, art in anchors.items()}
@@ -62,6 +65,12 @@ class _Session:
         sizes = self.io.index_sizes
         for r in found.ranges:
             sizes[r.tensor] = min(sizes.get(r.tensor, r.size), r.size)
+
+    @property
+    def plan(self) -> Plan:
+        """The config's plan, with the micro-batch size read from the model's streamed inputs
+        when the config leaves it unset: samples per step are what a run processes."""
+        return Plan.from_config(self.config, micro_batch_size=self.micro_batch_size)
 
     @property
     def backend(self) -> str:
@@ -114,6 +123,7 @@ class InferenceSession(_Session):
 
     _mode = "inference"
 
+    @checked_keywords
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, anchors: Mapping[str, Any] | None = None,
                  backend: str = "auto", *, popart: Any = None,
@@ -145,6 +155,7 @@ class TrainingSession(_Session):
 
     _mode = "training"
 
+    @checked_keywords
     def __init__(self, model: onnx.ModelProto | bytes | str | os.PathLike,
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
@@ -201,6 +212,35 @@ class TrainingSession(_Session):
                               rule="K-optimizer-state")
         return state()
 
+
+
+def _micro_batch_size(model: onnx.ModelProto, config: SessionConfig) -> int | None:
+    """The samples in one micro-batch: ``config.micro_batch_size``, checked against the leading
+    dimension of every streamed input (all disagreeing inputs refused at once), or, unset, that
+    dimension when the inputs agree on it."""
+    weights = {t.name for t in model.graph.initializer}
+    leading = {}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in weights and dims and dims[0].HasField("dim_value"):
+            leading[value.name] = dims[0].dim_value
+    mbs = config.micro_batch_size
+    if mbs is None:
+        sizes = set(leading.values())
+        return sizes.pop() if len(sizes) == 1 else None
+    wrong = {name: size for name, size in leading.items() if size != mbs}
+    if wrong:
+        listed = ", ".join(f"{name!r} has {size}" for name, size in wrong.items())
+        sizes = sorted(set(wrong.values()))
+        raise ConfigError(
+            f"micro_batch_size={mbs}, but the model's streamed inputs disagree: the leading "
+            f"dimension of an input is the micro-batch, and {listed}. A plan would count "
+            f"{mbs} samples per micro-batch where a run processes {sizes[0]}. Fix: set "
+            f"micro_batch_size={sizes[0]}" + (" (the inputs also disagree among themselves)"
+                                               if len(sizes) > 1 else "")
+            + ", or build the model's inputs with a leading dimension of "
+            f"{mbs}. See docs/rules.md#K-micro-batch-size.", rule="K-micro-batch-size")
+    return mbs
 
 
 def _check_arguments(session: str, config: Any, anchors: Any, backend: Any,

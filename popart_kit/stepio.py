@@ -12,14 +12,13 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._problems import PopartKitWarning, Problem, raise_errors
+from ._problems import Problem, raise_errors, warn
 from .errors import DataError, DataTypeError, short
 from .shapes import (
     AnchorReturnType,
@@ -294,8 +293,11 @@ class StepIOFactory:
     # -- making arrays --------------------------------------------------------------------------
 
     def allocate_inputs(self, fill: str = "zeros", seed: int = 0) -> dict[str, np.ndarray]:
-        """One run's input arrays, zeros or random (normal floats, small ints - below the size
-        they index for index inputs - random bools)."""
+        """One run's input arrays, zeros or random: standard-normal floats, random bools, and
+        integers in ``0 .. n-1`` where ``n`` is ``index_sizes[name]`` when the input is an index
+        (a session fills ``index_sizes`` from the model: class labels of Nll,
+        NegativeLogLikelihoodLoss and SoftmaxCrossEntropyLoss, indices of Gather,
+        GatherElements and ScatterElements), else ``0 .. 9``."""
         if fill not in ("zeros", "random"):
             raise DataError(f"fill={fill!r}: use 'zeros' or 'random'.")
         rng = np.random.default_rng(seed)
@@ -601,8 +603,7 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
     def _drop(self, count: int, why: str) -> None:
         self.dropped += count
         if count:
-            warnings.warn(f"{count} samples {why} and were dropped ({self.dropped} in all).",
-                          PopartKitWarning, stacklevel=3)
+            warn(f"{count} samples {why} and were dropped ({self.dropped} in all).")
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._done:

@@ -406,7 +406,7 @@ def _warnings_of(**kw: Any) -> list[str]:
      "K-caching-target"),
 ])
 def test_warnings(kw, rule):
-    assert any(w.endswith(f"[{rule}]") for w in _warnings_of(**kw))
+    assert any(w.endswith(f"[{rule}] (see docs/rules.md#{rule})") for w in _warnings_of(**kw))
 
 
 def test_no_warning_for_a_healthy_pipeline():

@@ -453,7 +453,7 @@ def test_models_are_frozen_strict_and_closed() -> None:
     opt = SGD(0.1, momentum=0.9)
     with pytest.raises(ValidationError):
         opt.learning_rate = 0.2  # type: ignore[misc]
-    with pytest.raises(ValidationError, match="extra"):
+    with pytest.raises(ValidationError, match="not a field of SGD. Fix: did you mean learning_r"):
         SGD(0.1, lr=0.2)
     with pytest.raises(ValidationError, match="learning_rate"):
         SGD("0.1")

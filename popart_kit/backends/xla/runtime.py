@@ -12,6 +12,7 @@ take turns.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..base import check_weights
 from .anchors import AnchorBuffers, chunk_size
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
+from . import profiling
 from .placement import Placement, ensure_host_devices
 from .steps import chunk_bytes, loop, loops_on_host, vmap
 
@@ -248,10 +250,12 @@ class XlaBackend:
             if self._program is not None:
                 return
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
+            started = time.perf_counter()
             # float32 products in float32, as an IPU computes them (GPUs would otherwise use
             # TF32, and results would change with the chunk size)
             with jax.default_matmul_precision("float32"):
                 programs = self._compile()
+            profiling.compiled(self, programs, time.perf_counter() - started)
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
                                if p.memory_analysis() is not None), default=0)
             self._check_memory(temporaries)
@@ -268,7 +272,8 @@ class XlaBackend:
                 self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
                                                resident=self.on_host)
-            out = self.placement.fetch(self._execute(device_inputs))
+            with profiling.run(self):
+                out = self.placement.fetch(self._execute(device_inputs))
         return {name: value.reshape(self._anchor_shapes[name]) for name, value in out.items()}
 
     # -- weights ----------------------------------------------------------------------------------

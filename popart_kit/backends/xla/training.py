@@ -26,6 +26,7 @@ from ..._names import GRADIENT_PREFIX
 from ..._problems import Problem, raise_errors
 from ...errors import DataError
 from ...shapes import AnchorReturnType
+from . import profiling
 from .placement import REPLICA
 from .runtime import XlaBackend
 from .steps import loop
@@ -314,8 +315,9 @@ class XlaTrainingBackend(XlaBackend):
                 self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
                                                resident=self.on_host)
-            state, buffers, flags = self._execute(device_inputs)
-            out, flags = self.placement.fetch((buffers, flags))
+            with profiling.run(self):
+                state, buffers, flags = self._execute(device_inputs)
+                out, flags = self.placement.fetch((buffers, flags))
             if not flags.all():
                 self._refuse_non_finite(flags)
             anchors = {name: value.reshape(self._anchor_shapes[name])
