@@ -24,6 +24,7 @@ _HOMES = {
     ".optimizers": ("SGD", "Adam"),
     ".plan": ("Plan", "ReplicaPlacement"),
     ".popdist": ("PopdistEnv",),
+    ".precision": ("to_half",),
     ".session": ("InferenceSession", "TrainingSession"),
     ".shapes": ("AnchorReturnType", "anchor_elements", "anchor_shape", "input_elements",
                 "input_shape"),
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from .optimizers import SGD, Adam
     from .plan import Plan, ReplicaPlacement
     from .popdist import PopdistEnv
+    from .precision import to_half
     from .session import InferenceSession, TrainingSession
     from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
     from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
@@ -118,6 +120,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidModel",
     "InvalidData",
+    "to_half",
 ]
 
 

@@ -187,7 +187,13 @@ RULES: dict[str, tuple[str, str]] = {
     "K-weight-shape": ("write_weights arrays have the weights' shapes.", "PopART."),
     "K-nonfinite-update": ("A training run met NaN/Inf: nothing is applied.", _KIT),
     "K-memory": ("The step fits the device's memory.", "Poplar: out of memory."),
-    "K-chunk": ("micro_batches_per_chunk divides the run's micro-batches.", _KIT),
+    "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "
+                "that divides an update's micro-batches and lines up with every EveryN "
+                "period).", _KIT),
+    "K-xla-stochastic-rounding": ("precision.stochastic_rounding has no meaning on the xla "
+                                  "backend (a warning): XLA rounds to nearest.",
+                                  "IPUs round half-precision results stochastically when "
+                                  "enableStochasticRounding is set."),
     "K-placement": ("Replicas fit the available devices.", _KIT),
     # -- host data --------------------------------------------------------------------------------
     "K-stepio-type": ("Inputs are a mapping of names to numpy arrays.", "PyStepIO."),

@@ -15,9 +15,11 @@ Clip read attributes or inputs as their opset says).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 __all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "np_dtype",
-           "read_attributes"]
+           "partials", "read_attributes"]
 
 GRAPHCORE = "ai.graphcore"
 
@@ -904,16 +906,47 @@ for _name, (_since, _fn) in _REDUCE.items():
 
 # -- matrix products ----------------------------------------------------------------------------
 
+_PARTIALS: ContextVar[str | None] = ContextVar("partials", default=None)
+_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+@contextlib.contextmanager
+def partials(kind: str | None) -> Iterator[None]:
+    """While tracing under it, half-precision matrix products and convolutions accumulate in
+    float32 (``"float"``, PopART's partialsType float) or in their own type (``"half"``);
+    ``None`` leaves it to XLA. The result keeps the inputs' type either way."""
+    token = _PARTIALS.set(kind)
+    try:
+        yield
+    finally:
+        _PARTIALS.reset(token)
+
+
+def _accumulator(x: Any) -> Any:
+    """The preferred_element_type of a product of ``x`` under :func:`partials`."""
+    kind = _PARTIALS.get()
+    if kind is None or np.dtype(x.dtype) not in _HALF:
+        return None
+    return jnp.float32 if kind == "float" else x.dtype
+
+
+def _product(a: Any, b: Any) -> Any:
+    accumulator = _accumulator(a)
+    if accumulator is None:
+        return jnp.matmul(a, b)
+    return jnp.matmul(a, b, preferred_element_type=accumulator).astype(a.dtype)
+
+
 @op("MatMul")
 def matmul(ctx: Ctx, a: Any, b: Any) -> Any:
-    return jnp.matmul(a, b)
+    return _product(a, b)
 
 
 @op("Gemm")
 def gemm(ctx: Ctx, a: Any, b: Any, c: Any = None) -> Any:
     a = a.T if ctx.attr("transA", 0) else a
     b = b.T if ctx.attr("transB", 0) else b
-    y = jnp.matmul(a, b)
+    y = _product(a, b)
     if ctx.attr("alpha", 1.0) != 1.0:
         y = (ctx.attr("alpha", 1.0) * y).astype(y.dtype)
     if c is not None:
@@ -971,7 +1004,8 @@ def _channel_bias(y: Any, b: Any) -> Any:
 def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
     strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
     y = lax.conv_general_dilated(x, w, strides, pads, rhs_dilation=dilations,
-                                 feature_group_count=ctx.attr("group", 1))
+                                 feature_group_count=ctx.attr("group", 1),
+                                 preferred_element_type=_accumulator(x)).astype(x.dtype)
     return _channel_bias(y, b)
 
 
@@ -1004,7 +1038,8 @@ def conv_transpose(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
     padding = [(k - 1 - lo, k - 1 - hi + e)
                for k, (lo, hi), e in zip(window, pads, extra, strict=True)]
     y = lax.conv_general_dilated(x, kernel_t, [1] * n, padding, lhs_dilation=strides,
-                                 rhs_dilation=dilations, feature_group_count=group)
+                                 rhs_dilation=dilations, feature_group_count=group,
+                                 preferred_element_type=_accumulator(x)).astype(x.dtype)
     return _channel_bias(y, b)
 
 

@@ -21,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..._problems import Problem, raise_errors
+from ..._problems import Problem, emit_warnings, raise_errors
 from ...builder import broadcast_inputs
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
 from ..base import check_weights
 from .anchors import AnchorBuffers, chunk_size
 from .lowering import LoweredGraph, lower
+from .ops import partials
 from .memory import check_fits
 from . import profiling
 from .placement import Placement, ensure_host_devices
@@ -51,6 +52,7 @@ class XlaBackend:
         self.model, self.config = model, config
         self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
         raise_errors("XlaBackend", self._problems(anchors, micro_batches_per_chunk))
+        _warn_meaningless(config)
         self.anchors = dict(anchors)
         broadcast = broadcast_inputs(model)
         inputs = {name: TensorSpec(shape, dtype, name in broadcast)
@@ -253,7 +255,8 @@ class XlaBackend:
             started = time.perf_counter()
             # float32 products in float32, as an IPU computes them (GPUs would otherwise use
             # TF32, and results would change with the chunk size)
-            with jax.default_matmul_precision("float32"):
+            with jax.default_matmul_precision("float32"), \
+                    partials(self.config.precision.partials_type):
                 programs = self._compile()
             profiling.compiled(self, programs, time.perf_counter() - started)
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
@@ -299,3 +302,17 @@ class XlaBackend:
             if tensor.name in current:
                 tensor.CopyFrom(onnx.numpy_helper.from_array(current[tensor.name], tensor.name))
         return proto
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_meaningless(config: Any) -> None:
+    """Settings the xla backend cannot honour are named once per process."""
+    if config.precision.stochastic_rounding and "stochastic_rounding" not in _WARNED:
+        _WARNED.add("stochastic_rounding")
+        emit_warnings([Problem(("precision", "stochastic_rounding"),
+                     "precision.stochastic_rounding=True has no meaning on the xla backend: XLA "
+                     "rounds to nearest, so half-precision results can differ from an IPU's "
+                     "in the last bits.", "leave it on for the IPU; expect round-to-nearest "
+                     "numerics here.", "K-xla-stochastic-rounding", severity="warning")])
