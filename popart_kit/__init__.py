@@ -23,6 +23,7 @@ _HOMES = {
     ".layout": ("PipelineLayout",),
     ".optimizers": ("SGD", "Adam"),
     ".plan": ("Plan", "ReplicaPlacement"),
+    ".schedule": ("PipelineSchedule",),
     ".popdist": ("PopdistEnv",),
     ".session": ("InferenceSession", "TrainingSession"),
     ".shapes": ("AnchorReturnType", "anchor_elements", "anchor_shape", "input_elements",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from .optimizers import SGD, Adam
     from .plan import Plan, ReplicaPlacement
     from .popdist import PopdistEnv
+    from .schedule import PipelineSchedule
     from .session import InferenceSession, TrainingSession
     from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
     from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
@@ -98,6 +100,7 @@ __all__ = [
     "BuilderError",
     "PipelineBuilder",
     "PipelineLayout",
+    "PipelineSchedule",
     "TensorInfo",
     "InputSettings",
     "ReplicatedStreamMode",
