@@ -12,6 +12,7 @@ take turns.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..._problems import Problem, raise_errors
+from ..._problems import PopartKitWarning, Problem, raise_errors
 from ...builder import broadcast_inputs
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
@@ -28,6 +29,7 @@ from ..base import check_weights
 from .anchors import AnchorBuffers, chunk_size
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
+from .pipeline import executor_for
 from .placement import Placement, ensure_host_devices
 from .steps import chunk_bytes, loop, loops_on_host, vmap
 
@@ -75,6 +77,11 @@ class XlaBackend:
             {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
         self._program: Any = None
         self.memory: dict[str, int] = {}  # the step's memory by part, once prepared
+        self.pipeline, self.unpipelined_because = executor_for(self)
+        if self.unpipelined_because:
+            warnings.warn(f"pipelining on the xla backend: {self.unpipelined_because}; running "
+                          f"the stages one after the other on one device (same numerics).",
+                          PopartKitWarning, stacklevel=3)
 
     # -- what the backend refuses -----------------------------------------------------------------
 
@@ -244,8 +251,8 @@ class XlaBackend:
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
         with self._lock:
-            if self._program is not None:
-                return
+            if self._program is not None or self.pipeline is not None:
+                return  # a pipeline compiles its stage programs as they first run
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
             programs = self._compile()
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
@@ -260,6 +267,8 @@ class XlaBackend:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
         with self._lock:
+            if self.pipeline is not None:
+                return self.pipeline.run(inputs)
             if self._program is None:
                 self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
