@@ -23,6 +23,7 @@ _HOMES = {
     ".layout": ("PipelineLayout",),
     ".optimizers": ("SGD", "Adam"),
     ".plan": ("Plan", "ReplicaPlacement"),
+    ".schedule": ("PipelineSchedule",),
     ".popdist": ("PopdistEnv",),
     ".precision": ("to_half",),
     ".session": ("InferenceSession", "TrainingSession"),
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from .plan import Plan, ReplicaPlacement
     from .popdist import PopdistEnv
     from .precision import to_half
+    from .schedule import PipelineSchedule
     from .session import InferenceSession, TrainingSession
     from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
     from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
@@ -100,6 +102,7 @@ __all__ = [
     "BuilderError",
     "PipelineBuilder",
     "PipelineLayout",
+    "PipelineSchedule",
     "TensorInfo",
     "InputSettings",
     "ReplicatedStreamMode",

@@ -190,6 +190,11 @@ RULES: dict[str, tuple[str, str]] = {
     "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "
                 "that divides an update's micro-batches and lines up with every EveryN "
                 "period).", _KIT),
+    "K-xla-recompute": ("pipeline.recomputation is one the xla backend can honour: standard, "
+                        "recompute_all and pipeline recompute a stage's forward in its "
+                        "backward; norm_only is refused.",
+                        "PopART's RecomputationType: which activations are recomputed rather "
+                        "than stashed."),
     "K-xla-stochastic-rounding": ("precision.stochastic_rounding has no meaning on the xla "
                                   "backend (a warning): XLA rounds to nearest.",
                                   "IPUs round half-precision results stochastically when "

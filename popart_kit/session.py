@@ -81,6 +81,18 @@ class _Session:
         """The shapes of this session's host arrays, and helpers to make and check them."""
         return self._backend.io
 
+    @property
+    def schedule(self) -> Any:
+        """The PipelineSchedule a pipelined xla session runs (None when it runs unpipelined)."""
+        executor = getattr(self._backend, "pipeline", None)
+        return None if executor is None else executor.schedule
+
+    @property
+    def placement(self) -> dict[tuple[int, int], Any] | None:
+        """(replica, stage) -> the device it runs on, for a pipelined xla session (else None)."""
+        executor = getattr(self._backend, "pipeline", None)
+        return None if executor is None else executor.placement
+
     def prepare(self) -> None:
         """Compile (and, on an IPU, load) the program; ``run`` does it when needed."""
         self._backend.prepare()

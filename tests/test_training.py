@@ -248,8 +248,10 @@ def test_refusals():
     model, loss, _ = classifier(4, pipelined=True)
     stale = pk.SessionConfig(mode="training", batches_per_step=4, ipus_per_replica=2,
                              pipeline={"enabled": True}, device={"target": "offline"})
-    with pytest.raises(ValidationError, match="stale weights"):
-        pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    # stale weights run on the pipeline executor (tests/test_pipeline.py); the plan still warns
+    assert any("K-stale-weights" in w for w in stale.warnings)
+    sess = pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    assert not sess.schedule.accumulate
     cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
     model, _, probs = classifier(4)
     with pytest.raises(ValidationError, match="loss 'nope' is not a tensor"):

@@ -104,6 +104,17 @@ class LoweredGraph:
         self.tensors: set[str] = {*inputs, *weights, *constants, *known, *self._producer}
         self._plans: dict[tuple[str, ...], list[_Node]] = {}
 
+    def part(self, produces: set[str], inputs: Mapping[str, tuple[tuple[int, ...], np.dtype]]
+             ) -> LoweredGraph:
+        """The nodes producing any of ``produces`` (a pipeline stage), as a graph of its own
+        whose inputs are ``inputs`` (what earlier stages computed, and graph inputs)."""
+        nodes = [n for n in self._nodes if any(o in produces for o in n.outputs if o)]
+        read = {i for n in nodes for i in n.inputs if i}
+        return LoweredGraph(opset=self.opset, inputs=dict(inputs),
+                            weights={k: v for k, v in self.weights.items() if k in read},
+                            constants=self.constants, known=self._known,
+                            outputs=[o for n in nodes for o in n.outputs if o], nodes=nodes)
+
     def is_constant(self, name: str) -> bool:
         """Whether ``name`` was folded into a compile-time value when the model was lowered."""
         return name in self._known
@@ -133,12 +144,16 @@ class LoweredGraph:
 
     def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
                  wanted: Sequence[str],
-                 offsets: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+                 offsets: Mapping[str, Any] | None = None,
+                 fresh: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """The ``wanted`` tensors, computed from ``inputs`` and ``weights`` (a weight missing
         from ``weights`` takes its value from the model). ``offsets`` are added to the named
         tensors where they come into being (zeros there make the gradient with respect to any
-        tensor a gradient with respect to its offset). Pure: trace it with ``jax.jit``,
-        ``jax.vmap`` or ``jax.grad``."""
+        tensor a gradient with respect to its offset). ``fresh``: other values of some
+        weights that every node reading them differentiates at, while the values computed
+        stay those of ``weights`` (PopART's backward reads a weight's current value but the
+        activations stashed by the forward: pipelining's stale weights). Pure: trace it with
+        ``jax.jit``, ``jax.vmap`` or ``jax.grad``."""
         plan = self._plan(tuple(wanted) + tuple(offsets or ()))
         offsets = offsets or {}
 
@@ -166,6 +181,8 @@ class LoweredGraph:
                                         for r in node.op(node.ctx.with_values(args), *args))
                 else:
                     results = node.op(node.ctx.with_values(args), *args)
+                    if fresh and any(n in fresh for n in node.inputs):
+                        results = _fresh_gradient(node, args, fresh, results)
             except ModelError:
                 raise
             except NotSupported as err:
@@ -192,6 +209,16 @@ class LoweredGraph:
                                 if name in self.weights else inputs[name])
             out[name] = jnp.asarray(value)
         return out
+
+
+def _fresh_gradient(node: _Node, args: list[Any], fresh: Mapping[str, Any],
+                    results: Sequence[Any]) -> tuple[Any, ...]:
+    """``results`` in value, differentiated as the node with its ``fresh`` weights."""
+    again = [fresh.get(n, a) for n, a in zip(node.inputs, args, strict=True)]
+    other = node.op(node.ctx.with_values(again), *again)
+    stop = jax.lax.stop_gradient
+    return tuple(stop(r) + o - stop(o) if jnp.issubdtype(jnp.result_type(r), jnp.inexact)
+                 else r for r, o in zip(results, other, strict=False))
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..._problems import Problem, emit_warnings, raise_errors
+from ..._problems import Problem, emit_warnings, raise_errors, warn
 from ...builder import broadcast_inputs
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
@@ -31,6 +31,7 @@ from .lowering import LoweredGraph, lower
 from .ops import partials
 from .memory import check_fits
 from . import profiling
+from .pipeline import executor_for
 from .placement import Placement, ensure_host_devices
 from .steps import chunk_bytes, loop, loops_on_host, vmap
 
@@ -79,6 +80,10 @@ class XlaBackend:
             {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
         self._program: Any = None
         self.memory: dict[str, int] = {}  # the step's memory by part, once prepared
+        self.pipeline, self.unpipelined_because = executor_for(self)
+        if self.unpipelined_because:
+            warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the "
+                 f"stages one after the other on one device (same numerics).")
 
     # -- what the backend refuses -----------------------------------------------------------------
 
@@ -249,8 +254,8 @@ class XlaBackend:
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
         with self._lock:
-            if self._program is not None:
-                return
+            if self._program is not None or self.pipeline is not None:
+                return  # a pipeline compiles its stage programs as they first run
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
             started = time.perf_counter()
             # float32 products in float32, as an IPU computes them (GPUs would otherwise use
@@ -271,6 +276,8 @@ class XlaBackend:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
         with self._lock:
+            if self.pipeline is not None:
+                return self.pipeline.run(inputs)
             if self._program is None:
                 self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),

@@ -55,13 +55,15 @@ class XlaTrainingBackend(XlaBackend):
         self.loss = loss
         super().__init__(model, config, anchors, micro_batches_per_chunk)
         problems = []
-        if config.pipeline.enabled and config.accumulation.factor == 1:
+        if config.pipeline.enabled and config.accumulation.factor == 1 and self.pipeline is None:
             problems.append(Problem(
                 ("accumulation", "factor"),
-                "pipelined training without gradient accumulation updates weights while other "
-                "micro-batches are in flight ('stale weights'), which the xla backend does not "
-                "reproduce.", "set accumulation.factor >= the pipeline depth (PopART then "
-                "flushes before each update), or use the popart backend.", "K-stale-weights"))
+                f"pipelined training without gradient accumulation updates weights while other "
+                f"micro-batches are in flight ('stale weights'), which only the xla backend's "
+                f"pipeline executor reproduces, and it cannot run here: "
+                f"{self.unpipelined_because}.", "set accumulation.factor >= the pipeline depth "
+                "(PopART then flushes before each update), or use the popart backend.",
+                "K-stale-weights"))
         if config.replication.is_distributed:
             problems.append(Problem(
                 ("replication", "global_factor"),
@@ -311,6 +313,8 @@ class XlaTrainingBackend(XlaBackend):
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.io.check_inputs(inputs)
         with self._lock:
+            if self.pipeline is not None:
+                return self.pipeline.run(inputs)
             if self._program is None:
                 self.prepare()
             device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),

@@ -1,0 +1,530 @@
+"""Pipelined execution on the xla backend: each stage its own program on its own device, run
+by the :class:`~popart_kit.schedule.PipelineSchedule`.
+
+**Split.** The lowered graph is cut at the model's ``__pipeline_stage`` annotations (else its
+``__ipu_number`` ones, as PopART infers stages) into one program per stage. Stage s receives
+from stage s - 1 every tensor a later stage needs (PopART's chain of IPU copies), reads its own
+stream inputs and owns the weights its nodes read. Stage s runs on device s; its program runs
+the R local replicas vectorised (on CPU replicas share a device, as the unpipelined placement
+measured best), so replica r's stage s is on device s and a replica's stages are on distinct
+devices. Fewer devices than stages: the backend says so once and runs unpipelined.
+
+**Executor.** Each device has a worker that does its stage's actions in the schedule's order,
+waiting for the activations (forward) or gradients (backward) it needs from its neighbours;
+programs on different devices run at once, and each action's start and end are recorded
+(:attr:`PipelineExecutor.trace`), from which the measured bubble follows. Gradients
+accumulate per stage on its device; the replicas' gradients are summed inside each stage's
+vectorised backward, and the optimizer runs once per update per stage.
+
+**Stashing and recomputation.** Without recomputation a forward keeps its stage's
+linearisation (JAX's residuals: PopART's stashed activations) for the backward. With
+``pipeline.recomputation`` standard, recompute_all or pipeline, a forward keeps only its
+stage's inputs and the backward recomputes the stage forward (PopART's recompute of a stage
+from its stashed inputs); :meth:`PipelineExecutor.stash_bytes` measures both. ``norm_only``
+recomputes normalisations inside a stage, which XLA fuses anyway: it is refused.
+
+**Stale weights (no accumulation: continuous pipelining).** From PopART's implicit pipeline
+transform:
+
+* a backward op is put on pipeline stage ``maxStage - stage`` of its forward op
+  (``willow/src/transforms/autodiff/gradgrowerop.cpp:85-87``, maxStage = 2F - 2), and the
+  weight update inherits the placement of the gradient it consumes
+  (``willow/src/ir.cpp:3127-3139``, ``growVarUpdateOpInternal``: ``inheritPlacementAttributes``):
+  stage s updates its weights in its backward stage, right after each backward;
+* in cycle ``t`` pipeline stage ``p`` runs micro-batch ``t - p``
+  (``willow/src/transforms/pipeline.cpp:2324-2335``, ``PipelineInfo::doStage``) and a cycle
+  runs its stages in stage order, forward before backward
+  (``willow/src/popx/popprograms.cpp:503-525``);
+* variables are never stashed - only activations are (``willow/src/transforms/pipeline.cpp:
+  637-641``, ``getStashCandidateTensors``: "the tensor being a Variable").
+
+So on stage s of F, with D = 2(F - 1 - s): micro-batch m's **forward** sees the weights after
+``max(0, m - D)`` updates (those of micro-batches whose backward ran in an earlier cycle), and
+its **backward** uses the stashed activations of that forward but reads the weights as they
+are then, after m updates, both for the gradient it sends back and for its weight gradient's
+own inputs. The last stage (D = 0) sees no staleness. Here every op that reads a weight is
+differentiated at the current weight while its value stays the forward's
+(``LoweredGraph.evaluate(fresh=...)``); the backward recomputes its stage's forward from the
+stashed inputs and weight version to do so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+
+from ...errors import ConfigError
+from ...layout import PIPELINE_STAGE, VIRTUAL_GRAPH
+from ...schedule import Action, PipelineSchedule, measured_bubble
+from .lowering import LoweredGraph
+from .steps import vmap
+
+__all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE"]
+
+#: pipeline.recomputation values that mean "recompute a stage's forward in its backward".
+RECOMPUTE = frozenset({"standard", "recompute_all", "pipeline"})
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's program: what it receives, reads, owns and sends on."""
+
+    index: int
+    graph: LoweredGraph
+    receives: tuple[str, ...]   # from the stage before (its ``sends``)
+    streams: tuple[str, ...]    # graph inputs it reads
+    weights: tuple[str, ...]
+    sends: tuple[str, ...]      # to the stage after
+    anchors: tuple[str, ...]    # anchored tensors it computes
+
+
+def _node_stage(node: onnx.NodeProto, key: str) -> int | None:
+    for attr in node.attribute:
+        if attr.name == key:
+            return int(attr.i)
+    return None
+
+
+def split(backend: Any, wanted: list[str]) -> list[Stage] | str:
+    """The backend's graph as one program per stage, or why it cannot be split."""
+    model, graph = backend.model, backend.graph
+    key = (PIPELINE_STAGE if any(_node_stage(n, PIPELINE_STAGE) is not None
+                                 for n in model.graph.node) else VIRTUAL_GRAPH)
+    stage_of: dict[str, int] = {}
+    for node in model.graph.node:
+        s = _node_stage(node, key)
+        if s is not None:
+            stage_of.update((o, s) for o in node.output if o)
+    count = max(stage_of.values(), default=-1) + 1
+    if count < 2:
+        return "the model has fewer than two pipeline stages"
+    producer_stage = {t: s for t, s in stage_of.items() if t in graph.tensors
+                      and not graph.is_constant(t)}
+    needed_by: dict[str, int] = {}
+    reads: list[set[str]] = [set() for _ in range(count)]
+    for node in model.graph.node:
+        s = next((stage_of[o] for o in node.output if o in stage_of), None)
+        if s is None:
+            continue
+        for i in node.input:
+            if i and not graph.is_constant(i):
+                reads[s].add(i)
+                needed_by[i] = max(needed_by.get(i, -1), s)
+    for t in wanted:
+        if t in producer_stage:
+            needed_by[t] = max(needed_by.get(t, -1), producer_stage[t])
+    for w in graph.weights:
+        users = {s for s in range(count) if w in reads[s]}
+        if len(users) > 1:
+            return f"weight {w!r} is read by stages {sorted(users)}"
+    shapes = backend._shapes(backend.io.inputs, [t for t in producer_stage])
+    stages, carried = [], ()
+    for s in range(count):
+        made = {t for t, p in producer_stage.items() if p == s}
+        live = {t for t in (*carried, *made) if needed_by.get(t, -1) > s}
+        sends = tuple(sorted(live))
+        for t in sends:
+            if not jnp.issubdtype(shapes[t].dtype, jnp.inexact):
+                return (f"tensor {t!r} ({shapes[t].dtype}) crosses from stage "
+                        f"{producer_stage[t]} to a later stage; only floating-point tensors "
+                        f"can carry gradients between stages here")
+        streams = tuple(sorted(i for i in reads[s] if i in graph.inputs))
+        inputs = {t: (tuple(shapes[t].shape), np.dtype(shapes[t].dtype)) for t in carried}
+        io = backend.io.inputs
+        inputs.update((i, (tuple(io[i].shape),
+                           np.dtype(jax.dtypes.canonicalize_dtype(io[i].dtype))))
+                      for i in streams)
+        part = graph.part(made, inputs)
+        anchors = tuple(t for t in wanted if t in made)
+        stages.append(Stage(s, part, carried, streams, tuple(sorted(part.weights)), sends,
+                            anchors))
+        carried = sends
+    unplaced = [t for t in wanted if t not in producer_stage and t not in graph.inputs]
+    if unplaced:
+        return f"anchor(s) {unplaced} are weights or constants, not computed by a stage"
+    return stages
+
+
+def executor_for(backend: Any) -> tuple[PipelineExecutor | None, str]:
+    """The executor a pipelined backend runs with, or None and why not."""
+    config = backend.config
+    if not config.pipeline.enabled:
+        return None, ""
+    training = hasattr(backend, "loss")
+    if training and getattr(backend, "gradient_anchors", None):
+        return None, "gradient anchors are not computed by the pipelined executor"
+    if config.pipeline.recomputation == "norm_only":
+        raise ConfigError("pipeline.recomputation='norm_only' recomputes normalisations "
+                          "inside a stage, which has no meaning on the xla backend (XLA fuses "
+                          "them already). Fix: use 'none', or 'standard' to recompute each "
+                          "stage's forward in its backward.", rule="K-xla-recompute")
+    wanted = list(dict.fromkeys([*(backend._anchor_tensor(a) for a in backend.anchors),
+                                 *([backend.loss] if training else [])]))
+    stages = split(backend, wanted)
+    if isinstance(stages, str):
+        return None, stages
+    if training and backend.loss not in stages[-1].anchors:
+        return None, f"the loss {backend.loss!r} is not computed on the last stage"
+    devices = jax.devices()
+    if len(devices) < len(stages):
+        return None, (f"{len(stages)} stages need {len(stages)} devices and this host has "
+                      f"{len(devices)} {devices[0].platform.upper()} device(s)")
+    return PipelineExecutor(backend, stages, devices[:len(stages)]), ""
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _select(tree: Any, names: set[str], every: set[str]) -> Any:
+    """The part of an optimizer state that concerns ``names`` (dicts keyed by weight names
+    are filtered; anything else is kept)."""
+    if isinstance(tree, dict):
+        if tree and set(tree) <= every:
+            return {k: v for k, v in tree.items() if k in names}
+        return {k: _select(v, names, every) for k, v in tree.items()}
+    return tree
+
+
+def _merge(trees: list[Any], every: set[str]) -> Any:
+    first = trees[0]
+    if not isinstance(first, dict):
+        return first
+    keys = list(dict.fromkeys(k for t in trees for k in t))
+    if keys and set(keys) <= every:
+        return {k: v for t in trees for k, v in t.items()}
+    return {k: _merge([t[k] for t in trees if k in t], every) for k in keys}
+
+
+class _Board:
+    """Values passed between the workers: put once, taken once."""
+
+    def __init__(self) -> None:
+        self._values: dict[Any, Any] = {}
+        self._ready = threading.Condition()
+        self.failed: BaseException | None = None
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._ready:
+            self._values[key] = value
+            self._ready.notify_all()
+
+    def take(self, key: Any) -> Any:
+        with self._ready:
+            while key not in self._values:
+                if self.failed is not None:
+                    raise RuntimeError("another stage failed") from self.failed
+                self._ready.wait(0.5)
+            return self._values.pop(key)
+
+    def fail(self, error: BaseException) -> None:
+        with self._ready:
+            self.failed = error
+            self._ready.notify_all()
+
+
+class PipelineExecutor:
+    """Runs a pipelined session's steps stage by stage on their own devices (module docs).
+
+    ``record``: keep :attr:`trace` (action, device index, start, end in seconds) of the last
+    run; ``threads``: one worker per device (else every action is dispatched from one thread
+    in schedule order and JAX's asynchronous dispatch overlaps them; no trace then)."""
+
+    def __init__(self, backend: Any, stages: list[Stage], devices: list[jax.Device]) -> None:
+        self.backend, self.stages, self.devices = backend, stages, devices
+        config = backend.config
+        self.training = hasattr(backend, "loss")
+        self.accumulate = config.accumulation.factor > 1
+        self.schedule = PipelineSchedule.for_config(config, len(stages))
+        self.replicas = config.replication.local_factor
+        self.recompute = config.pipeline.recomputation in RECOMPUTE
+        self.record, self.threads = True, True
+        self.trace: list[tuple[Action, int, float, float]] = []
+        self._programs: dict[int, dict[str, Any]] = {}
+        self._source: Any = None  # the committed weights the stage copies came from
+
+    @property
+    def placement(self) -> dict[tuple[int, int], jax.Device]:
+        """(replica, stage) -> device."""
+        return {(r, s): d for s, d in enumerate(self.devices) for r in range(self.replicas)}
+
+    @property
+    def measured_bubble(self) -> float:
+        """The idle share of the devices over the last recorded run."""
+        return measured_bubble([(d, a, b) for _, d, a, b in self.trace])
+
+    # -- one stage's programs -------------------------------------------------------------
+
+    def _forward(self, st: Stage, w: Any, recv: Any, streams: Any, m: Any,
+                 fresh: Any = None) -> tuple[dict, dict]:
+        io = self.backend.io.inputs
+        x = {k: jax.lax.dynamic_index_in_dim(v, m, 0, keepdims=False) for k, v in streams.items()}
+        per = {k: v for k, v in x.items() if not io[k].broadcast}
+        fixed = {k: v for k, v in x.items() if io[k].broadcast}
+        wanted = [*st.sends, *st.anchors]
+
+        def one(r: Any, xr: Any) -> Any:
+            return st.graph.evaluate(w, {**r, **xr, **fixed}, wanted, fresh=fresh)
+
+        out = vmap(one, self.replicas, (0, 0))(recv, per)
+        return {k: out[k] for k in st.sends}, {k: out[k] for k in st.anchors}
+
+    def _trained(self, st: Stage) -> list[str]:
+        return [w for w in st.weights if w in self.backend.trained]
+
+    def _make(self, st: Stage) -> dict[str, Any]:
+        last = st.index == len(self.stages) - 1
+        programs: dict[str, Any] = {
+            "forward": jax.jit(lambda w, r, x, m: self._forward(st, w, r, x, m))}
+        if not self.training:
+            return programs
+        trained = self._trained(st)
+
+        def split_w(w: Any) -> tuple[dict, dict]:
+            return ({k: v for k, v in w.items() if k in trained},
+                    {k: v for k, v in w.items() if k not in trained})
+
+        def stash(w: Any, r: Any, x: Any, m: Any) -> Any:
+            t, rest = split_w(w)
+            carry, vjp, aux = jax.vjp(lambda tw, rr: self._forward(st, {**rest, **tw}, rr, x, m),
+                                      t, r, has_aux=True)
+            return carry, aux, vjp
+
+        def back(vjp: Any, g: Any, acc: Any) -> Any:
+            gw, gr = vjp(g)
+            return _add(acc, gw), gr
+
+        def back_again(w_then: Any, w_now: Any, r: Any, x: Any, m: Any, g: Any, acc: Any) -> Any:
+            """The backward from the stashed inputs and weight version: with accumulation a
+            recomputation; without, differentiated at the current weights (module docs)."""
+            t_then, rest = split_w(w_then)
+            if self.accumulate:
+                def f(tw: Any, rr: Any) -> Any:
+                    return self._forward(st, {**rest, **tw}, rr, x, m)[0]
+                primal = t_then
+            else:
+                def f(tw: Any, rr: Any) -> Any:
+                    return self._forward(st, w_then, rr, x, m, fresh=tw)[0]
+                primal = split_w(w_now)[0]
+            _, vjp = jax.vjp(f, primal, r)
+            gw, gr = vjp(g)
+            return _add(acc, gw), gr
+
+        def loss_stage(w: Any, r: Any, x: Any, m: Any, hyper: Any, acc: Any) -> Any:
+            t, rest = split_w(w)
+
+            def loss(tw: Any, rr: Any) -> Any:
+                _, aux = self._forward(st, {**rest, **tw}, rr, x, m)
+                return jnp.sum(aux[self.backend.loss]) * hyper.get("loss_scaling", 1.0), aux
+
+            (gw, gr), aux = jax.grad(loss, argnums=(0, 1), has_aux=True)(t, r)
+            return _add(acc, gw), gr, aux
+
+        def apply(w: Any, state: Any, acc: Any, hyper: Any) -> Any:
+            config = self.backend.config
+            if config.accumulation.reduction == "mean":
+                scale = config.accumulation.factor * self.replicas
+                acc = {n: g / scale for n, g in acc.items()}
+            t, rest = split_w(w)
+            new, state = self.backend.optimizer.apply(hyper, t, acc, state)
+            return {**rest, **new}, state, jax.tree.map(jnp.zeros_like, acc)
+
+        if last:
+            programs["loss"] = jax.jit(loss_stage, donate_argnums=(5,))
+        else:
+            programs["stash"] = jax.jit(stash)
+            programs["back"] = jax.jit(back, donate_argnums=(2,))
+            programs["again"] = jax.jit(back_again, donate_argnums=(6,))
+        programs["apply"] = jax.jit(apply, donate_argnums=(1, 2))
+        return programs
+
+    def programs(self, s: int) -> dict[str, Any]:
+        if s not in self._programs:
+            self._programs[s] = self._make(self.stages[s])
+        return self._programs[s]
+
+    def stash_bytes(self) -> dict[str, list[int]]:
+        """Bytes one micro-batch keeps on each stage (but the last) between its forward and
+        backward: the linearisation (no recomputation) or the stage's inputs (recomputation)."""
+        out: dict[str, list[int]] = {"stashed": [], "recomputed": []}
+        host = self._host_streams_shapes()
+        for st in self.stages[:-1]:
+            w = {k: jax.ShapeDtypeStruct(self.backend.graph.weights[k].shape,
+                                         jax.dtypes.canonicalize_dtype(
+                                             self.backend.graph.weights[k].dtype))
+                 for k in st.weights}
+            r = self._receive_shapes(st)
+            x = {k: host[k] for k in st.streams}
+            m = jax.ShapeDtypeStruct((), jnp.int32)
+            _, _, vjp = jax.eval_shape(self.programs(st.index)["stash"], w, r, x, m)
+            size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(vjp))
+            out["stashed"].append(size)
+            # recomputation keeps the stage's inputs: what it received and its stream slices
+            kept = [*jax.tree.leaves(r), *(jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                          for v in x.values())]
+            out["recomputed"].append(sum(int(np.prod(a.shape)) * a.dtype.itemsize
+                                         for a in kept))
+        return out
+
+    def _host_streams_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return dict(self.backend._inputs)
+
+    def _receive_shapes(self, st: Stage) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((self.replicas, *st.graph.inputs[k][0]),
+                                        st.graph.inputs[k][1]) for k in st.receives}
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _stage_state(self) -> tuple[list[dict], list[Any]]:
+        """The committed weights (and optimizer state) split over the stages' devices."""
+        b = self.backend
+        weights = [jax.device_put({k: b._weights[k] for k in st.weights}, d)
+                   for st, d in zip(self.stages, self.devices, strict=True)]
+        if not self.training:
+            return weights, []
+        every = set(b.trained)
+        states = [jax.device_put(_select(b._opt_state, set(self._trained(st)), every), d)
+                  for st, d in zip(self.stages, self.devices, strict=True)]
+        return weights, states
+
+    # -- a run ----------------------------------------------------------------------------
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        b = self.backend
+        host = b._host_inputs(inputs)
+        streams = [jax.device_put({k: host[k] for k in st.streams}, d)
+                   for st, d in zip(self.stages, self.devices, strict=True)]
+        weights, states = self._stage_state()
+        hyper = ([jax.device_put(b._hyper, d) for d in self.devices] if self.training
+                 else [None] * len(self.devices))
+        accs = [{k: jnp.zeros_like(w[k]) for k in self._trained(st)} if self.training else None
+                for st, w in zip(self.stages, weights, strict=True)]
+        board = _Board()
+        outputs: dict[tuple[int, int], dict] = {}  # (stage, micro-batch) -> anchors
+        trace: list[tuple[Action, int, float, float]] = []
+        ctx = dict(streams=streams, weights=weights, states=states, hyper=hyper, accs=accs,
+                   board=board, outputs=outputs, trace=trace, lock=threading.Lock())
+        for s in range(len(self.stages)):
+            self.programs(s)
+        if self.threads:
+            workers = [threading.Thread(target=self._worker, args=(s, ctx), daemon=True)
+                       for s in range(len(self.stages))]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            if board.failed is not None:
+                raise board.failed
+        else:
+            for group in self.schedule.by_slot():
+                for action in group:
+                    self._act(action, ctx)
+        self.trace = sorted(trace, key=lambda e: e[2])
+        return self._finish(host, ctx)
+
+    def _worker(self, s: int, ctx: dict) -> None:
+        try:
+            for action in self.schedule.for_stage(s):
+                start = time.perf_counter()
+                done = self._act(action, ctx)
+                jax.block_until_ready(done)
+                end = time.perf_counter()
+                if self.record and action.kind != "U":
+                    with ctx["lock"]:
+                        ctx["trace"].append((action, s, start, end))
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            ctx["board"].fail(error)
+
+    def _index(self, a: Action) -> int:
+        return a.update * self.schedule.micro_batches + (a.micro_batch or 0)
+
+    def _act(self, a: Action, ctx: dict) -> Any:
+        s, board, dev = a.stage, ctx["board"], self.devices[a.stage]
+        p = self.programs(s)
+        last = s == len(self.stages) - 1
+        m = self._index(a)
+        x = ctx["streams"][s]
+        if a.kind == "F":
+            recv = jax.device_put(board.take(("F", s - 1, m)), dev) if s else {}
+            w = ctx["weights"][s]
+            if not self.training:
+                carry, aux = p["forward"](w, recv, x, np.int32(m))
+            elif last:
+                ctx["accs"][s], grad, aux = p["loss"](w, recv, x, np.int32(m), ctx["hyper"][s],
+                                                      ctx["accs"][s])
+                carry = {}
+                board.put(("B", s, m), grad)
+            elif self.recompute or not self.accumulate:
+                carry, aux = p["forward"](w, recv, x, np.int32(m))
+                board.put(("stash", s, m), (w, recv))
+            else:
+                carry, aux, vjp = p["stash"](w, recv, x, np.int32(m))
+                board.put(("stash", s, m), vjp)
+            if not last:
+                board.put(("F", s, m), carry)
+            ctx["outputs"][(s, m)] = aux
+            return (carry, aux)
+        if a.kind == "B":
+            if last:
+                return None  # done with the forward, in the same slot
+            g = jax.device_put(board.take(("B", s + 1, m)), dev)
+            stashed = board.take(("stash", s, m))
+            if isinstance(stashed, tuple):
+                w_then, recv = stashed
+                ctx["accs"][s], grad = p["again"](w_then, ctx["weights"][s], recv, x,
+                                                  np.int32(m), g, ctx["accs"][s])
+            else:
+                ctx["accs"][s], grad = p["back"](stashed, g, ctx["accs"][s])
+            if s:
+                board.put(("B", s, m), grad)
+            return grad
+        if not self._trained(self.stages[s]):
+            return None
+        ctx["weights"][s], ctx["states"][s], ctx["accs"][s] = p["apply"](
+            ctx["weights"][s], ctx["states"][s], ctx["accs"][s], ctx["hyper"][s])
+        return ctx["weights"][s]
+
+    def _finish(self, host: Mapping[str, np.ndarray], ctx: dict) -> dict[str, np.ndarray]:
+        b, config = self.backend, self.backend.config
+        total = b.micro_batches
+        tensors = {a: b._anchor_tensor(a) for a in b.anchors}
+        where = {t: st.index for st in self.stages for t in st.anchors}
+        wanted = set(tensors.values()) | ({b.loss} if self.training else set())
+        values = b.placement.fetch({t: [ctx["outputs"][(where[t], m)][t] for m in range(total)]
+                                    for t in wanted if t in where})
+        stacked = {t: np.stack(v) for t, v in values.items()}
+        for t in wanted - set(stacked):  # a stream input anchored
+            v = host[t]
+            stacked[t] = v if v.ndim > len(b.io.inputs[t].shape) + 1 else np.repeat(
+                v[:, None], self.replicas, axis=1)
+        if self.training and b.check_finite:
+            losses = stacked[b.loss].reshape(config.batches_per_step, -1)
+            ends = b.placement.fetch({k: jnp.isfinite(v).all() for w in ctx["weights"]
+                                      for k, v in w.items() if k in b.trained})
+            flags = np.array([bool(np.isfinite(row).all()) for row in losses]
+                             + [bool(ends[k]) for k in b.trained])
+            if not flags.all():
+                b._refuse_non_finite(flags)
+        out = {}
+        for name, tensor in tensors.items():
+            art, v = b.anchors[name], stacked[tensor]
+            if art.name == "Sum":
+                v = v.sum(axis=0, dtype=v.dtype)
+            else:
+                v = v[list(art.returned_micro_batches(config.batches_per_step,
+                                                      config.accumulation.factor))]
+            out[name] = np.ascontiguousarray(v).reshape(b._anchor_shapes[name])
+        if self.training:  # the commit, after everything that can fail
+            every = set(b.trained)
+            merged = {k: v for w in ctx["weights"] for k, v in w.items()}
+            b._weights = {**b._weights, **merged}
+            b._opt_state = _merge(ctx["states"], every) if ctx["states"] else b._opt_state
+        return out

@@ -1,0 +1,199 @@
+"""Pipelined execution on the xla backend: stages on their own devices, run by the schedule."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import popart_kit as pk
+from popart_kit.backends.xla import pipeline
+
+MICRO, WIDTH, LR = 2, 4, 0.02
+
+
+def mlp(stages: int):
+    """x [MICRO, WIDTH] -> tanh(h W_s) per stage but the last -> y = h W_last, loss sum(y^2)."""
+    rng = np.random.default_rng(stages)
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b)
+    h = x = b.addInputTensor(pk.TensorInfo("FLOAT", [MICRO, WIDTH]), debugContext="x")
+    weights = {}
+    for s in range(stages):
+        w = (rng.standard_normal((WIDTH, WIDTH)) * 0.5).astype(np.float32)
+        with pb.stage(s):
+            weights[f"w{s}"] = w
+            h = b.aiOnnx.matmul([h, b.addInitializedInputTensor(w, f"w{s}")])
+            if s < stages - 1:
+                h = b.aiOnnx.tanh([h])
+            else:
+                loss = b.aiOnnx.reducesumsquare([h], keepdims=0)
+    return b.getModelProto(), x, h, loss, weights
+
+
+def session(stages, replicas, training, pipelined, bps, acc=1, recompute="none", seed=0):
+    model, x, y, loss, _ = mlp(stages)
+    cfg = pk.SessionConfig(
+        mode="training" if training else "inference", batches_per_step=bps,
+        accumulation={"factor": acc}, replication={"local_factor": replicas},
+        ipus_per_replica=stages, pipeline={"enabled": pipelined, "recomputation": recompute},
+        device={"target": "offline"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pk.PopartKitWarning)
+        if training:
+            sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(learning_rate=LR),
+                                      anchors={loss: "All", y: "All"}, backend="xla")
+        else:
+            sess = pk.InferenceSession(model, cfg, anchors={y: "All"}, backend="xla")
+    rng = np.random.default_rng(seed)
+    feed = {x: rng.standard_normal(sess.io.input_shape(x)).astype(np.float32)}
+    return sess, feed
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_pipelined_equals_unpipelined(stages, replicas):
+    depth = 2 * stages - 1
+    # inference
+    piped, feed = session(stages, replicas, False, True, bps=stages + 1)
+    plain, _ = session(stages, replicas, False, False, bps=stages + 1)
+    assert piped._backend.pipeline is not None and plain._backend.pipeline is None
+    a, b = piped.run(feed), plain.run(feed)
+    for name in b:
+        np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
+    # training with accumulation: two updates per run, two runs
+    piped, feed = session(stages, replicas, True, True, bps=2, acc=depth)
+    plain, _ = session(stages, replicas, True, False, bps=2, acc=depth)
+    for _ in range(2):
+        a, b = piped.run(feed), plain.run(feed)
+        for name in b:
+            np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
+    wa, wb = piped.weights(), plain.weights()
+    assert any(not np.allclose(wa[k], mlp(stages)[4][k]) for k in wa)  # it trained
+    for name in wb:
+        np.testing.assert_allclose(wa[name], wb[name], rtol=2e-5, atol=1e-6)
+
+
+def test_a_three_stage_session_shows_its_schedule_and_placement():
+    sess, feed = session(3, 2, True, True, bps=1, acc=5)
+    grid = sess.schedule.render()
+    assert "stage 2 fwd+bwd" in grid and grid.splitlines()[-1].split()[:3] == ["stage", "0",
+                                                                                "bwd"]
+    placement = sess.placement
+    assert set(placement) == {(r, s) for r in range(2) for s in range(3)}
+    assert len({placement[(0, s)] for s in range(3)}) == 3  # a replica's stages: own devices
+    sess.run(feed)
+    executor = sess._backend.pipeline
+    assert {(a.kind, a.stage, a.micro_batch) for a, *_ in executor.trace} == {
+        (a.kind, a.stage, a.micro_batch) for a in sess.schedule.actions if a.kind != "U"}
+    assert 0.0 <= executor.measured_bubble < 1.0
+
+
+def test_dispatch_from_one_thread_gives_the_same_numbers():
+    a, feed = session(3, 1, True, True, bps=2, acc=5)
+    b, _ = session(3, 1, True, True, bps=2, acc=5)
+    b._backend.pipeline.threads = False
+    out_a, out_b = a.run(feed), b.run(feed)
+    for name in out_a:
+        np.testing.assert_allclose(out_a[name], out_b[name], rtol=1e-6)
+    assert not b._backend.pipeline.trace
+
+
+def simulate_continuous(weights: dict, xs: np.ndarray, stages: int, lr: float):
+    """PopART's continuous pipelining by hand: cycle t runs pipeline stage p on micro-batch
+    t - p, stages in order; a backward reads the weight as it is then and the activations its
+    forward stashed, and its stage's weight update follows it at once."""
+    w = [weights[f"w{s}"].astype(np.float64).copy() for s in range(stages)]
+    m_count, depth = len(xs), 2 * stages - 1
+    act, stash, grad, losses = {}, {}, {}, {}
+    for t in range(m_count + depth - 1):
+        for p in range(depth):
+            m = t - p
+            if not 0 <= m < m_count:
+                continue
+            if p < stages - 1:  # a forward stage
+                a_in = xs[m] if p == 0 else act.pop((p - 1, m))
+                out = np.tanh(a_in @ w[p])
+                act[(p, m)], stash[(p, m)] = out, (a_in, out)
+            elif p == stages - 1:  # the loss stage: forward and backward
+                a_in = act.pop((p - 1, m))
+                y = a_in @ w[p]
+                losses[m] = (y * y).sum()
+                g = 2 * y
+                grad[(p, m)] = g @ w[p].T
+                w[p] -= lr * a_in.T @ g
+            else:
+                s = depth - 1 - p
+                a_in, out = stash.pop((s, m))
+                g = grad.pop((s + 1, m)) * (1 - out * out)
+                grad[(s, m)] = g @ w[s].T  # the current weight, before its update
+                w[s] -= lr * a_in.T @ g
+    return {f"w{s}": w[s] for s in range(stages)}, np.array([losses[m] for m in range(m_count)])
+
+
+def sequential_sgd(weights, xs, stages, lr):
+    """The same updates with no pipeline (no staleness)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(w, x):
+        h = x
+        for s in range(stages - 1):
+            h = jnp.tanh(h @ w[s])
+        return ((h @ w[-1]) ** 2).sum()
+
+    w = [jnp.asarray(weights[f"w{s}"]) for s in range(stages)]
+    for x in xs:
+        g = jax.grad(loss)(w, x)
+        w = [a - lr * b for a, b in zip(w, g, strict=True)]
+    return {f"w{s}": np.asarray(w[s]) for s in range(stages)}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_without_accumulation_the_weights_are_stale_as_in_popart(stages):
+    sess, feed = session(stages, 1, True, True, bps=8)
+    initial = mlp(stages)[4]
+    xs = next(iter(feed.values())).astype(np.float64)
+    out = sess.run(feed)
+    want, losses = simulate_continuous(initial, xs, stages, LR)
+    got = sess.weights()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+    loss_anchor = next(k for k, v in out.items() if v.shape == (8,))
+    np.testing.assert_allclose(out[loss_anchor], losses, rtol=1e-4)
+    # staleness matters here: plain sequential SGD ends elsewhere
+    fresh = sequential_sgd(initial, xs, stages, LR)
+    assert max(np.abs(fresh[k] - want[k]).max() for k in want) > 1e-3
+
+
+def test_recomputation_gives_the_same_numbers_and_stashes_less():
+    a, feed = session(3, 2, True, True, bps=1, acc=5)
+    b, _ = session(3, 2, True, True, bps=1, acc=5, recompute="standard")
+    out_a, out_b = a.run(feed), b.run(feed)
+    for name in out_a:
+        np.testing.assert_allclose(out_a[name], out_b[name], rtol=1e-6)
+    for name, value in a.weights().items():
+        np.testing.assert_allclose(value, b.weights()[name], rtol=1e-6)
+    sizes = a._backend.pipeline.stash_bytes()
+    assert all(r < s for r, s in zip(sizes["recomputed"], sizes["stashed"], strict=True))
+
+
+def test_norm_only_recomputation_is_refused():
+    with pytest.raises(pk.ConfigError, match="norm_only"):
+        session(2, 1, True, True, bps=1, acc=3, recompute="norm_only")
+
+
+def test_too_few_devices_falls_back_once_and_refuses_stale_weights(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(pipeline.jax, "devices", lambda *a: jax.local_devices()[:1])
+    model, x, y, loss, _ = mlp(2)
+    cfg = pk.SessionConfig(mode="inference", batches_per_step=2, ipus_per_replica=2,
+                           pipeline={"enabled": True}, device={"target": "offline"})
+    with pytest.warns(pk.PopartKitWarning, match="2 stages need 2 devices.*one after the other"):
+        sess = pk.InferenceSession(model, cfg, anchors={y: "All"}, backend="xla")
+    assert sess.schedule is None
+    stale = cfg.model_copy(update={"mode": "training", "batches_per_step": 3})
+    with pytest.raises(pk.PopartKitError, match="stale weights.*need 2 devices"):
+        pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
