@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, PopartKitError
+from ...launcher import COORDINATOR, FAULT_TIMEOUT_VARIABLE
 
 __all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "World", "world",
            "initialize", "watching", "InstanceFailed"]
 
-COORDINATOR = "POPART_KIT_COORDINATOR"
-FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
-FAULT_TIMEOUT = 30  # seconds
+FAULT_TIMEOUT = 30  # seconds, as the launcher's default
 OMPI_SIZE, OMPI_RANK, OMPI_URI = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                                   "OMPI_MCA_orte_hnp_uri")
 _RULE = "K-xla-distributed-env"
