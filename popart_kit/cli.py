@@ -183,6 +183,8 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--print-topology", choices=("yes", "no"), default="no", nargs="?",
                         const="yes")
     launch.add_argument("--only-output-from-instance", type=int, default=None)
+    launch.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="stop every instance and fail after this long (default: none)")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
     launch.set_defaults(run=_launch)
 
@@ -197,7 +199,8 @@ def _launch(args: argparse.Namespace) -> int:
                       hosts=args.host.split(",") if args.host else (),
                       host_index=args.host_index, fault_timeout=args.fault_timeout,
                       print_topology=args.print_topology == "yes",
-                      only_output_from_instance=args.only_output_from_instance)
+                      only_output_from_instance=args.only_output_from_instance,
+                      timeout=args.timeout)
     except LaunchError as exc:
         print(str(exc), file=sys.stderr)
         return REFUSED

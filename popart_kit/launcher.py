@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ __all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT"]
 
 COORDINATOR = "POPART_KIT_COORDINATOR"  # read by popart_kit.backends.xla.distributed
 FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
+JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
 FAULT_TIMEOUT = 30.0  # seconds
 _POLL = 0.05
 _KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
@@ -170,6 +172,17 @@ def _stop(processes: Mapping[int, subprocess.Popen]) -> None:
             p.wait()
 
 
+def _start_instance() -> None:
+    """In the child before exec: its own process group (so stopping it stops what it started)
+    and, on Linux, SIGKILL when the launcher dies, so no instance outlives it."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_DEATHSIG
+
+
 def _signal(p: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(p.pid, sig)
@@ -180,10 +193,13 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
            hosts: Sequence[str] = (), host_index: int = 0,
            fault_timeout: float = FAULT_TIMEOUT, print_topology: bool = False,
            only_output_from_instance: int | None = None, env: Mapping[str, str] | None = None,
-           out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+           timeout: float | None = None, out: IO[str] | None = None,
+           err: IO[str] | None = None) -> int:
     """Run ``program`` as ``num_instances`` instances sharing ``num_replicas`` replicas (on this
     host; with ``hosts``, the instances of host ``host_index``). Returns 0 when every instance
     succeeded, else the first failing instance's status (128 + signal when it was killed).
+    ``timeout`` (seconds) bounds the whole run: instances still running then are stopped and
+    the launch fails (status 124, as timeout(1)).
     Bad arguments, a missing program or a coordinator port in use raise LaunchError before
     anything starts."""
     out = sys.stdout if out is None else out
@@ -197,6 +213,7 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
         err.write(topology(num_instances, num_replicas, ipus_per_replica,
                            list(hosts) or ["localhost"]) + "\n")
     base = dict(os.environ if env is None else env)
+    joined = tempfile.TemporaryDirectory(prefix="popart-kit-launch-")
     lock = threading.Lock()
     processes: dict[int, subprocess.Popen] = {}
     readers = []
@@ -206,10 +223,11 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
             variables = PopdistEnv(num_replicas, local, i * local, ipus_per_replica,
                                    i - mine.start).to_env()
             variables.update({COORDINATOR: address, FAULT_TIMEOUT_VARIABLE:
-                              str(max(1, round(fault_timeout))), "PYTHONUNBUFFERED": "1"})
+                              str(max(1, round(fault_timeout))), JOINED: joined.name,
+                              "PYTHONUNBUFFERED": "1"})
             p = subprocess.Popen(program, env={**base, **variables}, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 preexec_fn=_start_instance)
             processes[i] = p
             shown = only_output_from_instance is None or only_output_from_instance == i
             reader = threading.Thread(target=_forward, daemon=True, args=(
@@ -217,7 +235,16 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
             reader.start()
             readers.append(reader)
         deadline = 0.0
+        end = None if timeout is None else time.monotonic() + timeout
         while any(p.poll() is None for p in processes.values()):
+            if failed is None and end is not None and time.monotonic() > end:
+                left = [i for i, p in processes.items() if p.poll() is None]
+                failed = (left[0], 124)
+                with lock:
+                    err.write(f"popart-kit launch: instance(s) {', '.join(map(str, left))} "
+                              f"still running after the launch's timeout of {timeout:g} s; "
+                              f"stopping them.\n")
+                break
             if failed is None:
                 failed = next(((i, p.returncode) for i, p in processes.items()
                                if p.returncode not in (None, 0)), None)
@@ -238,14 +265,22 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
         if failed is None:  # every one ended: the first to fail, by instance order
             failed = next(((i, p.returncode) for i, p in processes.items()
                            if p.returncode != 0), None)
+        # instances of a distributed session that never came to meet the others (the xla
+        # backend marks coming); only meaningful when some did
+        marked = {int(n) for n in os.listdir(joined.name) if n.isdigit()}
+        missing = [i for i in processes if i not in marked] if marked else []
     finally:
         _stop(processes)
         for reader in readers:
             reader.join(timeout=5)
+        joined.cleanup()
     if failed is None:
         return 0
     index, status = failed
     with lock:
+        if missing and index not in missing:
+            err.write(f"popart-kit launch: instance(s) {', '.join(map(str, missing))} never "
+                      f"came to meet the others (within {fault_timeout:g} s).\n")
         err.write(f"popart-kit launch: instance {index} failed ({_describe(status)}).\n")
         err.flush()
     return 128 - status if status < 0 else status

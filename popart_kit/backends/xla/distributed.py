@@ -16,6 +16,7 @@ heartbeats is detected after it (collectives with a closed peer fail at once).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, PopartKitError
-from ...launcher import COORDINATOR, FAULT_TIMEOUT_VARIABLE
+from ...launcher import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED
 
 __all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "World", "world",
            "initialize", "watching", "InstanceFailed"]
@@ -146,6 +147,11 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
             "other instances. Fix: create the distributed session before any other JAX work "
             "(other sessions included) in the process.", rule=_RULE)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU; GPUs use NCCL
+    marks = (os.environ if env is None else env).get(JOINED)
+    if marks:  # tell popart-kit launch this instance came to meet the others (it names those that
+        # never did)
+        with contextlib.suppress(OSError):
+            open(os.path.join(marks, str(here.process_id)), "w").close()
     try:
         jax.distributed.initialize(
             here.coordinator, here.processes, here.process_id,
