@@ -236,7 +236,7 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
             readers.append(reader)
         deadline = 0.0
         end = None if timeout is None else time.monotonic() + timeout
-        while any(p.poll() is None for p in processes.values()):
+        while [p.poll() for p in processes.values()].count(None):  # poll every one
             if failed is None and end is not None and time.monotonic() > end:
                 left = [i for i, p in processes.items() if p.poll() is None]
                 failed = (left[0], 124)
