@@ -217,12 +217,13 @@ def test_offsets_not_matching_the_environment_are_refused():
 
 def test_with_popdist_env_reports_conflicts_naming_both_values():
     env = {**pk.PopdistEnv(4, 2, 2, 2).to_env()}
-    cfg = pk.SessionConfig(ipus_per_replica=4, pipeline={"enabled": True, "stages": 4})
+    cfg = pk.SessionConfig(mode="inference", ipus_per_replica=4, batches_per_step=4,
+                           pipeline={"enabled": True, "stages": 4})
     with pytest.raises(pk.ConfigError, match="POPDIST_NUM_IPUS_PER_REPLICA=2 but the config has "
                                              "ipus_per_replica=4 and pipeline.stages=4"):
         cfg.with_popdist_env(env)
     with pytest.raises(pk.ConfigError, match="POPDIST_NUM_LOCAL_REPLICAS=2.* but the config has "
                                              "replication.local_factor=4"):
-        pk.SessionConfig(replication={"local_factor": 4}).with_popdist_env(env)
-    taken = pk.SessionConfig().with_popdist_env(env)  # defaults: the environment fills them
+        pk.SessionConfig(mode="inference", replication={"local_factor": 4}).with_popdist_env(env)
+    taken = pk.SessionConfig(mode="inference").with_popdist_env(env)  # defaults: env fills them
     assert taken.replication.replica_ids == range(2, 4) and taken.ipus_per_replica == 2

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import onnx
@@ -197,7 +198,10 @@ class XlaTrainingBackend(XlaBackend):
         """Reduce an update's gradient over all replicas, of every instance (once) and apply
         the optimizer."""
         weights, opt_state = state
-        if self.placement.several:
+        if self.placement.distributed:  # one all-reduce between processes, not one per weight
+            flat, unflatten = jax.flatten_util.ravel_pytree(grads)
+            grads = unflatten(jax.lax.psum(flat, self.placement.axes))
+        elif self.placement.several:
             grads = jax.lax.psum(grads, self.placement.axes)
         if self.config.accumulation.reduction == "mean":
             scale = self.config.accumulation.factor * self.config.replication.global_replicas
