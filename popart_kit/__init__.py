@@ -21,6 +21,7 @@ _HOMES = {
     ".config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling", "Replication",
                 "SessionConfig"),
     ".layout": ("PipelineLayout",),
+    ".launcher": ("launch",),
     ".optimizers": ("SGD", "Adam"),
     ".plan": ("Plan", "ReplicaPlacement"),
     ".schedule": ("PipelineSchedule",),
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
         Replication,
         SessionConfig,
     )
+    from .launcher import launch
     from .layout import PipelineLayout
     from .optimizers import SGD, Adam
     from .plan import Plan, ReplicaPlacement
@@ -111,6 +113,7 @@ __all__ = [
     "TrainingSession",
     "SGD",
     "Adam",
+    "launch",
     "PopartKitWarning",
     "PopartKitError",
     "ConfigError",

@@ -190,6 +190,20 @@ RULES: dict[str, tuple[str, str]] = {
     "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "
                 "that divides an update's micro-batches and lines up with every EveryN "
                 "period).", _KIT),
+    "K-popdist-conflict": ("A config value set away from its default agrees with the POPDIST_* "
+                           "environment poprun (or popart-kit launch) gives the instance.",
+                           "PopART's popdist backend takes the environment and overrides the "
+                           "session options without a word."),
+    "K-xla-distributed-env": ("This process's place among the instances (OMPI_* or POPDIST_* "
+                              "variables, the coordinator) is complete and agrees with the "
+                              "config.", "poprun sets the same variables for PopART; MPI fails "
+                              "late when they disagree."),
+    "K-instance-failed": ("A run stops with an error naming the instance that died or never "
+                          "arrived, within the fault timeout.",
+                          "PopART under poprun: MPI aborts the job."),
+    "K-launch": ("popart-kit launch gets consistent counts, an existing program and a free "
+                 "coordinator port, before anything starts.",
+                 "poprun: its own checks of --num-instances/--num-replicas."),
     "K-xla-recompute": ("pipeline.recomputation is one the xla backend can honour: standard, "
                         "recompute_all and pipeline recompute a stage's forward in its "
                         "backward; norm_only is refused.",

@@ -278,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python program")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(run=_run_script)
+    _add_launch(commands)
     return parser
 
 
@@ -298,6 +299,52 @@ def _version() -> str:
         from . import __version__
 
         return __version__
+
+
+def _add_launch(commands: argparse._SubParsersAction) -> None:
+    """`popart-kit launch`: poprun's option names, the xla backend's instances on this host."""
+    from .launcher import FAULT_TIMEOUT
+
+    launch = commands.add_parser(
+        "launch", help="start the instances of a distributed session as poprun would "
+                       "(POPDIST_* environment, one process per instance)")
+    launch.add_argument("--num-instances", type=int, required=True, help="instances (processes)")
+    launch.add_argument("--num-replicas", type=int, required=True,
+                        help="replicas over all instances")
+    launch.add_argument("--ipus-per-replica", type=int, default=1)
+    launch.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                        help="where instance 0 listens (default: a free port on 127.0.0.1)")
+    launch.add_argument("--host", default=None, metavar="HOST,HOST,...",
+                        help="hosts the instances are split over (run one launch per host)")
+    launch.add_argument("--host-index", type=int, default=0,
+                        help="which of --host this launch starts the instances of")
+    launch.add_argument("--fault-timeout", type=float, default=FAULT_TIMEOUT, metavar="SECONDS",
+                        help="how long instances take to notice a failed or missing one, and "
+                             "the others get to stop before they are stopped")
+    launch.add_argument("--print-topology", choices=("yes", "no"), default="no", nargs="?",
+                        const="yes")
+    launch.add_argument("--only-output-from-instance", type=int, default=None)
+    launch.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="stop every instance and fail after this long (default: none)")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
+    launch.set_defaults(run=_launch)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .launcher import LaunchError, launch
+
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    try:
+        return launch(program, num_instances=args.num_instances, num_replicas=args.num_replicas,
+                      ipus_per_replica=args.ipus_per_replica, coordinator=args.coordinator,
+                      hosts=args.host.split(",") if args.host else (),
+                      host_index=args.host_index, fault_timeout=args.fault_timeout,
+                      print_topology=args.print_topology == "yes",
+                      only_output_from_instance=args.only_output_from_instance,
+                      timeout=args.timeout)
+    except LaunchError as exc:
+        print(str(exc), file=sys.stderr)
+        return REFUSED
 
 
 def _run_script(args: argparse.Namespace) -> int:

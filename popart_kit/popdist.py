@@ -116,8 +116,33 @@ class PopdistEnv:
                 f"{details}", rule="K-popdist-env") from None
 
     def apply(self, cfg: SessionConfig) -> SessionConfig:
-        """``cfg`` with replication and ipus_per_replica taken from this environment."""
-        return cfg.updated(replication=self.replication(), ipus_per_replica=self.ipus_per_replica)
+        """``cfg`` with replication and ipus_per_replica taken from this environment.
+
+        The environment fills what the config leaves at its default; a config value set to
+        something else that disagrees with the environment is a conflict, reported (all of
+        them at once) naming both values rather than silently replaced."""
+        from .config import Replication
+
+        conflicts = []
+        if cfg.ipus_per_replica not in (1, self.ipus_per_replica):
+            stages = (f" and pipeline.stages={cfg.pipeline.stages}"
+                      if cfg.pipeline.stages is not None else "")
+            conflicts.append(f"{IPUS}={self.ipus_per_replica} but the config has "
+                             f"ipus_per_replica={cfg.ipus_per_replica}{stages}")
+        rep, found = cfg.replication, self.replication()
+        if rep != Replication() and rep != found:
+            conflicts.append(
+                f"{TOTAL}={self.total_replicas}, {LOCAL}={self.local_replicas}, {OFFSET}="
+                f"{self.replica_index_offset} but the config has replication.local_factor="
+                f"{rep.local_factor}, global_factor={rep.global_factor}, global_offset="
+                f"{rep.global_offset}")
+        if conflicts:
+            raise ConfigError(
+                "the poprun environment and the config disagree: " + "; ".join(conflicts)
+                + ". Fix: leave those settings at their defaults in the config (the environment "
+                "then gives them), or launch with matching values (e.g. poprun / popart-kit "
+                "launch --ipus-per-replica).", rule="K-popdist-conflict")
+        return cfg.updated(replication=found, ipus_per_replica=self.ipus_per_replica)
 
     @classmethod
     def for_config(cls, cfg: SessionConfig) -> PopdistEnv:

@@ -4,8 +4,13 @@ A :class:`Placement` owns the device mesh of a session's local replicas and ever
 follows from it: which devices run which replicas (each device runs a block of replicas,
 vectorised), the sharding of every argument, how the run's canonical host arrays reach the
 devices (one transfer) and how results come back as host arrays (one fetch). The mesh axis is
-named :data:`REPLICA`; a process axis (global replication over instances) and a stage axis
-(pipeline stages on their own devices) join it there.
+named :data:`REPLICA`, under a :data:`PROCESS` axis (global replication: one row of devices per
+instance, of size 1 in a single process); a stage axis (pipeline stages on their own devices)
+joins them there.
+
+Over several processes the mesh holds every global replica; each instance gives and gets only
+its own: :meth:`Placement.put` builds global arrays from this process's host arrays and
+:meth:`Placement.fetch` returns only this process's shards (its local replicas).
 
 How many devices replicas use is measured, not assumed: on CPU every XLA program already uses
 all cores (its operators run multi-threaded), and splitting replicas over virtual CPU devices
@@ -29,10 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from ...errors import ConfigError
 
-__all__ = ["REPLICA", "HOST_DEVICES", "Placement", "ensure_host_devices", "replica_devices",
-           "use_compilation_cache"]
+__all__ = ["REPLICA", "PROCESS", "HOST_DEVICES", "Placement", "ensure_host_devices",
+           "replica_devices", "use_compilation_cache"]
 
 REPLICA = "replica"
+PROCESS = "process"
 #: At most this many CPU devices run a session's replicas (see the module docs).
 CPU_REPLICA_DEVICES = 1
 HOST_DEVICES = 8  # virtual CPU devices asked for when JAX has not started yet
@@ -79,9 +85,9 @@ def use_compilation_cache() -> str | None:
 def replica_devices(replicas: int, platform: str | None = None) -> list[jax.Device]:
     """The devices that run ``replicas`` local replicas: as many as divide the replica count
     evenly, at most :data:`CPU_REPLICA_DEVICES` on CPU (see the module docs); each runs a block
-    of replicas, vectorised."""
+    of replicas, vectorised. This process's devices only."""
     ensure_host_devices()
-    available = jax.devices(platform) if platform else jax.devices()
+    available = jax.local_devices(backend=platform)
     usable = len(available) if available[0].platform != "cpu" else min(
         len(available), CPU_REPLICA_DEVICES)
     used = max(d for d in range(1, min(replicas, usable) + 1) if replicas % d == 0)
@@ -93,23 +99,49 @@ class Placement:
 
     Arrays with a replica axis are split over the mesh along it; everything else (weights,
     optimizer state, hyperparameters, Broadcast inputs) has a copy on every device.
+    ``processes`` > 1: this process is one of that many instances (``jax.distributed`` started),
+    each with ``replicas`` local replicas on the same number of its own devices.
     """
 
-    def __init__(self, replicas: int, devices: Sequence[jax.Device] | None = None) -> None:
-        self.replicas = replicas
+    def __init__(self, replicas: int, devices: Sequence[jax.Device] | None = None,
+                 processes: int = 1) -> None:
+        self.replicas, self.processes = replicas, processes
         self.devices = list(devices) if devices is not None else replica_devices(replicas)
         if replicas % len(self.devices):
             raise ConfigError(f"{replicas} replicas cannot be split evenly over "
                              f"{len(self.devices)} devices. Fix: use a device count that "
                              f"divides the replica count.", rule="K-placement")
         self.per_device = replicas // len(self.devices)
-        self.mesh = Mesh(np.array(self.devices), (REPLICA,))
+        self.mesh = Mesh(self._grid(), (PROCESS, REPLICA))
         self.platform = self.devices[0].platform
+
+    def _grid(self) -> np.ndarray:
+        """Devices by (process, local position): every process uses the same count."""
+        if self.processes == 1:
+            return np.array([self.devices])
+        if jax.process_count() != self.processes:
+            raise ConfigError(f"the session has {self.processes} instances but JAX runs "
+                              f"{jax.process_count()} processes. Fix: start one process per "
+                              f"instance (popart-kit launch).", rule="K-placement")
+        count = len(self.devices)
+        rows = [[d for d in jax.devices(self.devices[0].platform) if d.process_index == p][:count]
+                for p in range(self.processes)]
+        return np.array(rows)
 
     @property
     def several(self) -> bool:
         """Whether replicas span several devices (programs then run SPMD over the mesh)."""
-        return len(self.devices) > 1
+        return self.mesh.size > 1
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the mesh spans several processes (arrays are then global)."""
+        return self.processes > 1
+
+    @property
+    def axes(self) -> tuple[str, str]:
+        """The mesh axes every replica spans: reductions over all replicas run over them."""
+        return (PROCESS, REPLICA)
 
     def everywhere(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -117,12 +149,10 @@ class Placement:
     def split(self, replica_axis: int | None) -> NamedSharding:
         """The sharding of an array whose axis ``replica_axis`` is the replica (None: a copy on
         every device)."""
-        if replica_axis is None:
-            return self.everywhere()
-        return NamedSharding(self.mesh, P(*(None,) * replica_axis, REPLICA))
+        return NamedSharding(self.mesh, self.spec(replica_axis))
 
     def spec(self, replica_axis: int | None) -> P:
-        return P() if replica_axis is None else P(*(None,) * replica_axis, REPLICA)
+        return P() if replica_axis is None else P(*(None,) * replica_axis, self.axes)
 
     def spmd(self, fn: Callable, in_axes: Any, out_axes: Any) -> Callable:
         """``fn`` run per device on its block of replicas: ``in_axes`` / ``out_axes`` are
@@ -145,26 +175,61 @@ class Placement:
         takes them transfers them itself, which costs less than a transfer of its own."""
         if not self.several:
             return jax.device_put(dict(arrays), self.devices[0]) if resident else dict(arrays)
+        if self.distributed:  # this process's replicas of global arrays
+            return {k: jax.make_array_from_process_local_data(
+                self.split(axes[k]), v, self.global_shape(v.shape, axes[k]))
+                for k, v in arrays.items()}
         return jax.device_put(dict(arrays), {k: self.split(axes[k]) for k in arrays})
 
     def put_everywhere(self, tree: Any) -> Any:
-        """A pytree with a copy on every device (weights, optimizer state, hyperparameters)."""
+        """A pytree with a copy on every device (weights, optimizer state, hyperparameters);
+        over several processes each gives the same values."""
+        if self.distributed:
+            return jax.tree.map(lambda v: jax.make_array_from_process_local_data(
+                self.everywhere(), np.asarray(v)), tree)
         return jax.device_put(tree, self.everywhere() if self.several else self.devices[0])
+
+    def global_shape(self, shape: Sequence[int], replica_axis: int | None) -> tuple[int, ...]:
+        """The shape over all processes of a local array whose axis ``replica_axis`` holds
+        this process's replicas."""
+        if replica_axis is None or not self.distributed:
+            return tuple(shape)
+        return (*shape[:replica_axis], shape[replica_axis] * self.processes,
+                *shape[replica_axis + 1:])
 
     def abstract(self, arrays: Mapping[str, Any], axes: Mapping[str, int | None]) -> dict:
         """The shapes, dtypes and shardings of what :meth:`put` would give (for compiling)."""
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+        return {k: jax.ShapeDtypeStruct(self.global_shape(v.shape, axes[k]), v.dtype,
                                         sharding=self.split(axes[k]) if self.several
                                         else jax.sharding.SingleDeviceSharding(self.devices[0]))
                 for k, v in arrays.items()}
 
     @staticmethod
     def fetch(tree: Any) -> Any:
-        """Device results as writable host arrays (one copy each)."""
+        """Device results as writable host arrays (one copy each); of a global array, only this
+        process's part (its local replicas)."""
         leaves, structure = jax.tree.flatten(tree)
+        if any(not getattr(leaf, "is_fully_addressable", True) for leaf in leaves):
+            return jax.tree.unflatten(structure, [_local_part(leaf) for leaf in leaves])
         if len(leaves) > 1:
             for leaf in leaves:
                 leaf.copy_to_host_async()  # all transfers start before the first is awaited
         elif len(leaves) == 1:
             return jax.tree.unflatten(structure, [np.array(leaves[0])])
         return jax.tree.unflatten(structure, [np.array(leaf) for leaf in leaves])
+
+
+def _local_part(array: Any) -> np.ndarray:
+    """This process's part of a global array: its shards joined along the one axis they
+    split (a replicated array: one copy)."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.array(array)
+    shards = {}
+    for shard in array.addressable_shards:
+        key = tuple(s.indices(n)[:2] for s, n in zip(shard.index, array.shape, strict=True))
+        shards.setdefault(key, shard)
+    if len(shards) == 1:
+        return np.array(next(iter(shards.values())).data)
+    keys = sorted(shards)
+    axis = next(i for i in range(array.ndim) if len({k[i] for k in keys}) > 1)
+    return np.concatenate([np.asarray(shards[k].data) for k in keys], axis=axis)

@@ -27,6 +27,7 @@ from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
 from ..base import check_weights
 from .anchors import AnchorBuffers, chunk_size
+from .distributed import initialize, watching
 from .lowering import LoweredGraph, lower
 from .ops import partials
 from .memory import check_fits
@@ -49,6 +50,8 @@ class XlaBackend:
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType],
                  micro_batches_per_chunk: int | None = None) -> None:
+        if config.replication.is_distributed:  # one process of several: join the others
+            initialize(config.replication)
         ensure_host_devices()  # before the lowering starts JAX
         self.model, self.config = model, config
         self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
@@ -64,7 +67,8 @@ class XlaBackend:
         self.io = StepIOFactory(config, inputs=inputs, anchors={
             name: (TensorSpec(found[name].shape, found[name].dtype), art)
             for name, art in self.anchors.items()})
-        self.placement = Placement(config.replication.local_factor)
+        self.placement = Placement(config.replication.local_factor,
+                                   processes=config.replication.instances)
         self.devices = self.placement.devices
         self.micro_batches = config.batches_per_step * config.accumulation.factor
         self.buffers = AnchorBuffers(self.anchors, {n: (s.shape, s.dtype)
@@ -230,7 +234,7 @@ class XlaBackend:
     def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
         """The step's memory by part (and the anchors by name), for the memory check."""
         inputs = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
-                     for s in self._abstract_inputs().values())
+                     for s in self._inputs.values())  # this process's
         anchors = self.buffers.nbytes()
         host_copies = 2 if self.placement.platform == "cpu" else 1
         weights = sum(int(v.nbytes) for v in self.graph.weights.values())
@@ -280,11 +284,15 @@ class XlaBackend:
                 return self.pipeline.run(inputs)
             if self._program is None:
                 self.prepare()
-            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
-                                               resident=self.on_host)
-            with profiling.run(self):
+            with self._peers(), profiling.run(self):
+                device_inputs = self.placement.put(self._host_inputs(inputs),
+                                                   self._stream_axes(), resident=self.on_host)
                 out = self.placement.fetch(self._execute(device_inputs))
         return {name: value.reshape(self._anchor_shapes[name]) for name, value in out.items()}
+
+    def _peers(self) -> Any:
+        """Collectives failed by a stopped instance become the kit's error (:mod:`.distributed`)."""
+        return watching(self.placement.processes, self.config.replication.instance_index)
 
     # -- weights ----------------------------------------------------------------------------------
 

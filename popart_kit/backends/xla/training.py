@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import onnx
@@ -27,7 +28,6 @@ from ..._problems import Problem, raise_errors
 from ...errors import DataError
 from ...shapes import AnchorReturnType
 from . import profiling
-from .placement import REPLICA
 from .runtime import XlaBackend
 from .steps import loop
 
@@ -64,13 +64,6 @@ class XlaTrainingBackend(XlaBackend):
                 f"{self.unpipelined_because}.", "set accumulation.factor >= the pipeline depth "
                 "(PopART then flushes before each update), or use the popart backend.",
                 "K-stale-weights"))
-        if config.replication.is_distributed:
-            problems.append(Problem(
-                ("replication", "global_factor"),
-                f"training over {config.replication.instances} instances needs gradients "
-                f"reduced across processes, which the xla backend does not do yet.",
-                "train one instance (no global_factor), or use the popart backend under "
-                "poprun.", "K-xla-distributed"))
         problems += self._dropout_problems() + self._gradient_problems()
         if loss not in self.graph.tensors:
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
@@ -205,12 +198,16 @@ class XlaTrainingBackend(XlaBackend):
         return grads, out
 
     def _apply(self, state: Any, grads: Any, hyper: Any) -> Any:
-        """Reduce an update's gradient over the replicas (once) and apply the optimizer."""
+        """Reduce an update's gradient over all replicas, of every instance (once) and apply
+        the optimizer."""
         weights, opt_state = state
-        if self.placement.several:
-            grads = jax.lax.psum(grads, REPLICA)
+        if self.placement.distributed:  # one all-reduce between processes, not one per weight
+            flat, unflatten = jax.flatten_util.ravel_pytree(grads)
+            grads = unflatten(jax.lax.psum(flat, self.placement.axes))
+        elif self.placement.several:
+            grads = jax.lax.psum(grads, self.placement.axes)
         if self.config.accumulation.reduction == "mean":
-            scale = self.config.accumulation.factor * self.config.replication.local_factor
+            scale = self.config.accumulation.factor * self.config.replication.global_replicas
             grads = {n: g / scale for n, g in grads.items()}
         trained = {n: weights[n] for n in self.trained}
         new_trained, opt_state = self.optimizer.apply(hyper, trained, grads, opt_state)
@@ -246,8 +243,8 @@ class XlaTrainingBackend(XlaBackend):
         weights, _ = state
         ends = jnp.stack([jnp.isfinite(weights[n]).all() for n in self.trained])
         if self.placement.several:  # every device holds the same: agree on it explicitly
-            ends = jax.lax.pmin(ends.astype(jnp.int32), REPLICA).astype(bool)
-            losses = jax.lax.pmin(work["losses_finite"].astype(jnp.int32), REPLICA)
+            ends = jax.lax.pmin(ends.astype(jnp.int32), self.placement.axes).astype(bool)
+            losses = jax.lax.pmin(work["losses_finite"].astype(jnp.int32), self.placement.axes)
             return jnp.concatenate([losses.astype(bool), ends])
         return jnp.concatenate([work["losses_finite"], ends])
 
@@ -317,9 +314,9 @@ class XlaTrainingBackend(XlaBackend):
                 return self.pipeline.run(inputs)
             if self._program is None:
                 self.prepare()
-            device_inputs = self.placement.put(self._host_inputs(inputs), self._stream_axes(),
-                                               resident=self.on_host)
-            with profiling.run(self):
+            with self._peers(), profiling.run(self):
+                device_inputs = self.placement.put(self._host_inputs(inputs),
+                                                   self._stream_axes(), resident=self.on_host)
                 state, buffers, flags = self._execute(device_inputs)
                 out, flags = self.placement.fetch((buffers, flags))
             if not flags.all():

@@ -1,0 +1,286 @@
+"""``popart-kit launch``: start the instances of a distributed session as poprun would.
+
+Each instance is one process of ``PROGRAM`` with the environment poprun gives it (the POPDIST_*
+variables: total and local replicas, replica offset, IPUs per replica, local instance index)
+plus the coordinator the xla backend's instances meet at (``POPART_KIT_COORDINATOR``, on the
+loopback address by default) and the fault bound (``POPART_KIT_FAULT_TIMEOUT``). Option names
+are poprun's, so a command line moves between the two by changing the program name.
+
+Each instance's output is forwarded line by line with an ``[instance i]`` prefix. When an
+instance fails, the others get ``fault_timeout`` seconds to stop on their own (the xla backend's
+instances notice a stopped peer at their next collective, or by its missing heartbeat), then
+are stopped; the launcher returns the first failing instance's status and names it. Nothing it
+started is left running. The module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from .errors import ConfigError
+from .popdist import PopdistEnv
+
+__all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT"]
+
+COORDINATOR = "POPART_KIT_COORDINATOR"  # read by popart_kit.backends.xla.distributed
+FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
+JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
+FAULT_TIMEOUT = 30.0  # seconds
+_POLL = 0.05
+_KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
+
+
+class LaunchError(ConfigError):
+    """A launch refused before any instance started."""
+
+    rule = "K-launch"
+
+
+def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
+           coordinator: str | None, hosts: Sequence[str], host_index: int,
+           fault_timeout: float) -> tuple[list[str], str]:
+    """Every problem of a launch at once; the program resolved and the coordinator to use."""
+    problems = []
+    for name, value in (("--num-instances", instances), ("--num-replicas", replicas),
+                        ("--ipus-per-replica", ipus)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name} {value!r} is not a positive integer")
+    counts_ok = not problems
+    if counts_ok and replicas % instances:
+        problems.append(f"--num-replicas {replicas} is not a multiple of --num-instances "
+                        f"{instances}: every instance runs the same number of replicas (use "
+                        f"{replicas // instances * instances or instances} or "
+                        f"{(replicas // instances + 1) * instances})")
+    if hosts and counts_ok and instances % len(hosts):
+        problems.append(f"--num-instances {instances} cannot be split evenly over "
+                        f"{len(hosts)} hosts ({', '.join(hosts)})")
+    if not 0 <= host_index < max(len(hosts), 1):
+        problems.append(f"--host-index {host_index} is not one of the {max(len(hosts), 1)} "
+                        f"host(s) (0..{max(len(hosts), 1) - 1})")
+    if not 0 < fault_timeout <= 3600:
+        problems.append(f"--fault-timeout {fault_timeout} is not between 0 and 3600 seconds")
+    resolved = list(program)
+    if not resolved:
+        problems.append("no program given: put it after '--', e.g. -- python3 train.py")
+    else:
+        found = shutil.which(resolved[0])
+        if found is None:
+            what = ("is not an executable file" if os.path.exists(resolved[0]) else
+                    "does not exist" if os.sep in resolved[0] else "is not on PATH")
+            problems.append(f"program {resolved[0]!r} {what}")
+    if coordinator is None and len(hosts) > 1:
+        problems.append(f"{len(hosts)} hosts need --coordinator HOST:PORT, the address of "
+                        f"instance 0 on {hosts[0]} that every host can reach")
+    address = coordinator or ""
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(f"--coordinator {coordinator!r} is not HOST:PORT "
+                            f"(e.g. 127.0.0.1:29500)")
+        elif host_index == 0 and not _port_free(host, int(port)):
+            problems.append(f"--coordinator {coordinator}: port {port} on {host} is already in "
+                            f"use (another launch still running?); choose another port or leave "
+                            f"--coordinator out to pick a free one on this host")
+    else:
+        address = f"127.0.0.1:{_free_port()}"
+    if problems:
+        raise LaunchError("popart-kit launch: " + "; ".join(problems) + ".")
+    return resolved, address
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def topology(num_instances: int, num_replicas: int, ipus_per_replica: int = 1,
+             hosts: Sequence[str] = ("localhost",)) -> str:
+    """A table like poprun's --print-topology: hosts, instances, replicas and the IPUs of each
+    replica (ids within its instance's device)."""
+    local = num_replicas // num_instances
+    per_host = num_instances // len(hosts)
+    k = ipus_per_replica
+    ipus = [f"{r % local * k}" if k == 1 else f"{r % local * k}-{r % local * k + k - 1}"
+            for r in range(num_replicas)]
+    width = max(len(c) for c in [*ipus, *map(str, range(num_replicas))]) + 2
+    cell = width + 1  # a cell and its separator
+
+    def row(label: str, cells: list[str], span: int) -> str:
+        return f"| {label:<9} |" + "".join(f"{c:^{span * cell - 1}}|" for c in cells)
+
+    line = "-" * (11 + num_replicas * cell)
+    rows = [row("hosts", list(hosts), per_host * local),
+            row("instances", [str(i) for i in range(num_instances)], local),
+            row("replicas", [str(r) for r in range(num_replicas)], 1),
+            row("IPUs", ipus, 1)]
+    title = "popart-kit launch topology"
+    return "\n".join([f" {line}", f"|{title:^{len(line)}}|", f"|{line}|",
+                      *(f"{r}\n|{line}|" for r in rows[:-1]), rows[-1], f" {line}"])
+
+
+def _forward(stream: IO[bytes], prefix: str, out: IO[str] | None, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        if out is None:
+            continue
+        with lock:
+            out.write(prefix + raw.decode("utf-8", "replace").rstrip("\n") + "\n")
+            out.flush()
+    stream.close()
+
+
+def _describe(status: int) -> str:
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+def _stop(processes: Mapping[int, subprocess.Popen]) -> None:
+    """Stop every process still running (its whole process group), and reap them."""
+    running = [p for p in processes.values() if p.poll() is None]
+    for p in running:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + _KILL_GRACE
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def _start_instance() -> None:
+    """In the child before exec: its own process group (so stopping it stops what it started)
+    and, on Linux, SIGKILL when the launcher dies, so no instance outlives it."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_DEATHSIG
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+        os.killpg(p.pid, sig)
+
+
+def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
+           ipus_per_replica: int = 1, coordinator: str | None = None,
+           hosts: Sequence[str] = (), host_index: int = 0,
+           fault_timeout: float = FAULT_TIMEOUT, print_topology: bool = False,
+           only_output_from_instance: int | None = None, env: Mapping[str, str] | None = None,
+           timeout: float | None = None, out: IO[str] | None = None,
+           err: IO[str] | None = None) -> int:
+    """Run ``program`` as ``num_instances`` instances sharing ``num_replicas`` replicas (on this
+    host; with ``hosts``, the instances of host ``host_index``). Returns 0 when every instance
+    succeeded, else the first failing instance's status (128 + signal when it was killed).
+    ``timeout`` (seconds) bounds the whole run: instances still running then are stopped and
+    the launch fails (status 124, as timeout(1)).
+    Bad arguments, a missing program or a coordinator port in use raise LaunchError before
+    anything starts."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    program, address = _check(program, num_instances, num_replicas, ipus_per_replica,
+                              coordinator, hosts, host_index, fault_timeout)
+    local = num_replicas // num_instances
+    per_host = num_instances // max(len(hosts), 1)
+    mine = range(host_index * per_host, (host_index + 1) * per_host)
+    if print_topology:
+        err.write(topology(num_instances, num_replicas, ipus_per_replica,
+                           list(hosts) or ["localhost"]) + "\n")
+    base = dict(os.environ if env is None else env)
+    joined = tempfile.TemporaryDirectory(prefix="popart-kit-launch-")
+    lock = threading.Lock()
+    processes: dict[int, subprocess.Popen] = {}
+    readers = []
+    failed: tuple[int, int] | None = None
+    try:
+        for i in mine:
+            variables = PopdistEnv(num_replicas, local, i * local, ipus_per_replica,
+                                   i - mine.start).to_env()
+            variables.update({COORDINATOR: address, FAULT_TIMEOUT_VARIABLE:
+                              str(max(1, round(fault_timeout))), JOINED: joined.name,
+                              "PYTHONUNBUFFERED": "1"})
+            p = subprocess.Popen(program, env={**base, **variables}, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 preexec_fn=_start_instance)
+            processes[i] = p
+            shown = only_output_from_instance is None or only_output_from_instance == i
+            reader = threading.Thread(target=_forward, daemon=True, args=(
+                p.stdout, f"[instance {i}] ", out if shown else None, lock))
+            reader.start()
+            readers.append(reader)
+        deadline = 0.0
+        end = None if timeout is None else time.monotonic() + timeout
+        while [p.poll() for p in processes.values()].count(None):  # poll every one
+            if failed is None and end is not None and time.monotonic() > end:
+                left = [i for i, p in processes.items() if p.poll() is None]
+                failed = (left[0], 124)
+                with lock:
+                    err.write(f"popart-kit launch: instance(s) {', '.join(map(str, left))} "
+                              f"still running after the launch's timeout of {timeout:g} s; "
+                              f"stopping them.\n")
+                break
+            if failed is None:
+                failed = next(((i, p.returncode) for i, p in processes.items()
+                               if p.returncode not in (None, 0)), None)
+                if failed is not None:
+                    deadline = time.monotonic() + fault_timeout
+                    with lock:
+                        err.write(f"popart-kit launch: instance {failed[0]} (pid "
+                                  f"{processes[failed[0]].pid}) failed ({_describe(failed[1])}"
+                                  f"); the others stop within {fault_timeout:g} s.\n")
+            elif time.monotonic() > deadline:
+                left = [i for i, p in processes.items() if p.poll() is None]
+                with lock:
+                    err.write(f"popart-kit launch: stopping instance(s) "
+                              f"{', '.join(map(str, left))}, still running {fault_timeout:g} s "
+                              f"after instance {failed[0]} failed.\n")
+                break
+            time.sleep(_POLL)
+        if failed is None:  # every one ended: the first to fail, by instance order
+            failed = next(((i, p.returncode) for i, p in processes.items()
+                           if p.returncode != 0), None)
+        # instances of a distributed session that never came to meet the others (the xla
+        # backend marks coming); only meaningful when some did
+        marked = {int(n) for n in os.listdir(joined.name) if n.isdigit()}
+        missing = [i for i in processes if i not in marked] if marked else []
+    finally:
+        _stop(processes)
+        for reader in readers:
+            reader.join(timeout=5)
+        joined.cleanup()
+    if failed is None:
+        return 0
+    index, status = failed
+    with lock:
+        if missing and index not in missing:
+            err.write(f"popart-kit launch: instance(s) {', '.join(map(str, missing))} never "
+                      f"came to meet the others (within {fault_timeout:g} s).\n")
+        err.write(f"popart-kit launch: instance {index} failed ({_describe(status)}).\n")
+        err.flush()
+    return 128 - status if status < 0 else status

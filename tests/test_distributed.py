@@ -1,0 +1,229 @@
+"""Global replication over real processes: `popart-kit launch` and the xla backend's instances.
+
+Every process runs on the loopback address under a hard time bound (the launcher's own timeout
+stops every instance it started); equivalence is checked against one instance running all the
+replicas on the same global data.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import popart_kit as pk
+from popart_kit.backends.xla.distributed import world
+from popart_kit.launcher import LaunchError, launch, topology
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "distributed_training.py"
+BOUND = 240  # seconds: no launch in these tests may run longer
+FAULT = 5  # seconds: the fault timeout the fault tests use
+
+
+def run_launch(program, **kw):
+    out, err = io.StringIO(), io.StringIO()
+    status = launch(program, timeout=BOUND, out=out, err=err, **kw)
+    return status, out.getvalue(), err.getvalue()
+
+
+def saved(directory: Path, instances: int) -> list[dict[str, np.ndarray]]:
+    return [dict(np.load(directory / f"instance{i}.npz")) for i in range(instances)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One instance with all four replicas, training and inference."""
+    found = {}
+    for mode in ("train", "infer"):
+        out = tmp_path_factory.mktemp(f"one_{mode}")
+        subprocess.run([sys.executable, str(EXAMPLE), "--replicas", "4", "--out", str(out),
+                        *(["--inference"] if mode == "infer" else [])],
+                       check=True, timeout=BOUND, capture_output=True)
+        found[mode] = saved(out, 1)[0]
+    return found
+
+
+@pytest.mark.parametrize("instances,mode", [(2, "train"), (4, "train"), (2, "infer")])
+def test_instances_match_one_instance_with_all_replicas(reference, tmp_path, instances, mode):
+    status, out, err = run_launch(
+        [sys.executable, str(EXAMPLE), "--out", str(tmp_path),
+         *(["--inference"] if mode == "infer" else [])],
+        num_instances=instances, num_replicas=4)
+    assert status == 0, err + out[-3000:]
+    parts, whole = saved(tmp_path, instances), reference[mode]
+    local = 4 // instances
+    worst = 0.0
+    for key, value in whole.items():
+        if key.startswith("weight:"):
+            for part in parts:  # every instance holds the same weights as one instance
+                assert part[key].shape == value.shape
+                worst = max(worst, float(np.abs(part[key] - value).max()))
+            assert all(np.array_equal(parts[0][key], p[key]) for p in parts)
+        else:  # each instance's anchors cover only its local replicas, as PopART gives them
+            axis = -1 if mode == "train" else 1  # loss All [bps, A, R]; probs All [bps, R, ...]
+            if local == 1:
+                assert parts[0][key].shape == np.delete(value, 0, axis).shape[:axis % value.ndim] \
+                    + value.shape[axis % value.ndim + 1:]
+                joined = np.stack([p[key] for p in parts], axis=axis)
+            else:
+                assert parts[0][key].shape[axis] == local
+                joined = np.concatenate([p[key] for p in parts], axis=axis)
+            worst = max(worst, float(np.abs(joined - value).max()))
+    print(f"{instances} instances x {local} replicas vs 1 x 4 ({mode}): max difference {worst:.3g}")
+    assert worst < 1e-5
+
+
+def test_a_killed_instance_stops_the_launch_within_the_bound(tmp_path):
+    """Instance 1 is killed mid-training; the launcher exits non-zero naming it, in time."""
+    program = tmp_path / "forever.py"
+    program.write_text(
+        "import os, runpy, sys, time\n"
+        f"example = runpy.run_path({str(EXAMPLE)!r})\n"
+        "import popart_kit as pk\n"
+        "model, names = example['build']()\n"
+        "cfg = pk.SessionConfig(mode='training').with_popdist_env()\n"
+        "sess = pk.TrainingSession(model, cfg, loss=names['loss'], optimizer=pk.SGD(0.1),"
+        " backend='xla')\n"
+        "step = 0\n"
+        "while True:\n"
+        "    data = example['global_data'](step, 1, 1, cfg.replication.global_replicas, names)\n"
+        "    sess.run(sess.io.shard(data))\n"
+        "    if step == 1:\n"
+        f"        open(os.path.join({str(tmp_path)!r}, 'ready%d' % "
+        "cfg.replication.instance_index), 'w').write(str(os.getpid()))\n"
+        "    step += 1\n"
+        "    time.sleep(0.01)\n")
+    result = {}
+
+    def go():
+        result["launch"] = run_launch([sys.executable, str(program)], num_instances=2,
+                                      num_replicas=2, fault_timeout=FAULT)
+        result["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    ready = tmp_path / "ready1"
+    deadline = time.monotonic() + BOUND
+    while not ready.exists() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), result
+    time.sleep(0.1)
+    pid = int(ready.read_text())
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(BOUND)
+    assert not thread.is_alive()
+    status, out, err = result["launch"]
+    took = result["ended"] - killed
+    print(f"killed instance 1: the launch ended {took:.2f} s later (fault timeout {FAULT} s)")
+    assert status == 128 + signal.SIGKILL, err + out[-4000:]
+    assert "instance 1 failed (killed by SIGKILL)" in err
+    assert took < FAULT + 5  # the others' bound plus stopping them
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "ready0").read_text()), 0)  # nothing left running
+
+
+def test_an_instance_that_never_comes_is_named(tmp_path):
+    program = tmp_path / "late.py"
+    program.write_text(
+        "import os, runpy, sys, time\n"
+        "if os.environ['POPDIST_REPLICA_INDEX_OFFSET'] != '0':\n"
+        "    time.sleep(600)\n"
+        f"sys.argv = [sys.argv[0]]\nrunpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
+    start = time.monotonic()
+    status, _, err = run_launch([sys.executable, str(program)], num_instances=2,
+                                num_replicas=2, fault_timeout=3)
+    assert status != 0
+    assert "instance(s) 1 never came to meet the others" in err
+    assert time.monotonic() - start < 60
+
+
+def test_exit_status_of_the_first_failing_instance_and_prefixed_output():
+    code = ("import os, sys; i = int(os.environ['POPDIST_REPLICA_INDEX_OFFSET']); "
+            "print('hello', os.environ['POPDIST_NUM_LOCAL_REPLICAS'], "
+            "os.environ['POPART_KIT_COORDINATOR']); sys.exit(7 if i == 1 else 0)")
+    status, out, err = run_launch([sys.executable, "-c", code], num_instances=2,
+                                  num_replicas=2)
+    assert status == 7 and "instance 1 failed (exit status 7)" in err
+    assert "[instance 0] hello 1 127.0.0.1:" in out and "[instance 1] hello 1" in out
+
+
+def test_cli_launch_passes_the_status_through():
+    found = subprocess.run(
+        [sys.executable, "-m", "popart_kit.cli", "launch", "--num-instances", "2",
+         "--num-replicas", "4", "--print-topology", "--", sys.executable, "-c",
+         "import sys; sys.exit(3)"], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 3, found.stderr
+    assert "| replicas  | 0 | 1 | 2 | 3 |" in found.stderr
+
+
+def test_launch_refuses_bad_input_at_once_and_starts_nothing():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError) as err:
+            launch(["no-such-program-here"], num_instances=2, num_replicas=3,
+                   coordinator=f"127.0.0.1:{port}")
+    text = str(err.value)
+    assert "--num-replicas 3 is not a multiple of --num-instances 2" in text
+    assert "'no-such-program-here' is not on PATH" in text
+    assert f"port {port} on 127.0.0.1 is already in use" in text
+    with pytest.raises(LaunchError, match="does not exist"):
+        launch(["./missing/train.py"], num_instances=1, num_replicas=1)
+
+
+def test_topology_table():
+    table = topology(2, 4, 2)
+    assert "| instances |     0     |     1     |" in table
+    assert "| IPUs      | 0-1 | 2-3 | 0-1 | 2-3 |" in table
+
+
+# -- the instance's view of its environment (no processes) ------------------------------------
+
+
+def env_of(total, local, offset, **more):
+    return {**pk.PopdistEnv(total, local, offset, 1).to_env(),
+            "POPART_KIT_COORDINATOR": "127.0.0.1:29500", **more}
+
+
+def test_offsets_not_matching_the_environment_are_refused():
+    rep = pk.Replication(local_factor=2, global_factor=4, global_offset=2)
+    assert world(rep, env_of(4, 2, 2)).process_id == 1
+    with pytest.raises(pk.ConfigError, match=r"POPDIST_REPLICA_INDEX_OFFSET=0\) but the session's "
+                                             r"replication has global_factor=4, local_factor=2, "
+                                             r"global_offset=2"):
+        world(rep, env_of(4, 2, 0))
+    mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    with pytest.raises(pk.ConfigError, match="OMPI_COMM_WORLD_RANK=0 but the session's "
+                                             "global_offset=2 makes it instance 1"):
+        world(rep, mpi)
+    with pytest.raises(pk.ConfigError, match="OMPI_COMM_WORLD_SIZE=3 processes but .* has 2"):
+        world(rep, {**mpi, "OMPI_COMM_WORLD_SIZE": "3"})
+    with pytest.raises(pk.ConfigError, match="POPART_KIT_COORDINATOR='nowhere' is not HOST:PORT"):
+        world(rep, {**env_of(4, 2, 2), "POPART_KIT_COORDINATOR": "nowhere"})
+    with pytest.raises(pk.ConfigError, match="POPART_KIT_FAULT_TIMEOUT='-1' is not"):
+        world(rep, {**env_of(4, 2, 2), "POPART_KIT_FAULT_TIMEOUT": "-1"})
+
+
+def test_with_popdist_env_reports_conflicts_naming_both_values():
+    env = {**pk.PopdistEnv(4, 2, 2, 2).to_env()}
+    cfg = pk.SessionConfig(mode="inference", ipus_per_replica=4, batches_per_step=4,
+                           pipeline={"enabled": True, "stages": 4})
+    with pytest.raises(pk.ConfigError, match="POPDIST_NUM_IPUS_PER_REPLICA=2 but the config has "
+                                             "ipus_per_replica=4 and pipeline.stages=4"):
+        cfg.with_popdist_env(env)
+    with pytest.raises(pk.ConfigError, match="POPDIST_NUM_LOCAL_REPLICAS=2.* but the config has "
+                                             "replication.local_factor=4"):
+        pk.SessionConfig(mode="inference", replication={"local_factor": 4}).with_popdist_env(env)
+    taken = pk.SessionConfig(mode="inference").with_popdist_env(env)  # defaults: env fills them
+    assert taken.replication.replica_ids == range(2, 4) and taken.ipus_per_replica == 2
