@@ -326,3 +326,21 @@ def test_prepare_compiles_before_the_first_run():
     assert sess._backend._program is not None
     first = sess.run(sess.io.allocate_inputs("random"))
     np.testing.assert_array_equal(first[y], sess.run(sess.io.allocate_inputs("random"))[y])
+
+
+def test_the_model_keeps_how_each_weight_was_stored():
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.array([1.5, -2.0], np.float32))
+    y = b.aiOnnx.add([x, w])
+    model = onnx.load_from_string(b.getModelProto())
+    raw = onnx.ModelProto()
+    raw.CopyFrom(model)
+    raw.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.array([1.5, -2.0],
+                                                                            np.float32), w))
+    for source, field in ((model, "float_data"), (raw, "raw_data")):
+        sess = pk.InferenceSession(source, config(), anchors={y: "All"}, backend="xla")
+        sess.write_weights({w: np.array([3.0, 4.0], np.float32)})
+        stored = sess.model_proto().graph.initializer[0]
+        assert len(getattr(stored, field)) > 0  # the same storage as the source
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(stored), [3.0, 4.0])

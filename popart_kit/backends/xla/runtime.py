@@ -310,12 +310,20 @@ class XlaBackend:
             self._weights = {**self._weights, **new}
 
     def model_proto(self) -> onnx.ModelProto:
+        """The model with the current weights, each stored as the model stored it (raw bytes,
+        or typed fields such as float_data, which PopART's Builder writes and programs read)."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self.model)
         current = self.weights()
         for tensor in proto.graph.initializer:
-            if tensor.name in current:
-                tensor.CopyFrom(onnx.numpy_helper.from_array(current[tensor.name], tensor.name))
+            value = current.get(tensor.name)
+            if value is None:
+                continue
+            if tensor.HasField("raw_data") or not value.size:
+                tensor.CopyFrom(onnx.numpy_helper.from_array(value, tensor.name))
+            else:
+                tensor.CopyFrom(onnx.helper.make_tensor(tensor.name, tensor.data_type,
+                                                        value.shape, value.ravel().tolist()))
         return proto
 
 
