@@ -287,8 +287,16 @@ class XlaBackend:
             with self._peers(), profiling.run(self):
                 device_inputs = self.placement.put(self._host_inputs(inputs),
                                                    self._stream_axes(), resident=self.on_host)
-                out = self.placement.fetch(self._execute(device_inputs))
-        return {name: value.reshape(self._anchor_shapes[name]) for name, value in out.items()}
+                fetched = self._step(device_inputs)
+            return self._finish(fetched)
+
+    def _step(self, device_inputs: Mapping[str, Any]) -> Any:
+        """The step program on the devices, what the host needs of it fetched."""
+        return self.placement.fetch(self._execute(device_inputs))
+
+    def _finish(self, fetched: Any) -> dict[str, np.ndarray]:
+        """The anchors in their host shapes (under the session's lock)."""
+        return {name: value.reshape(self._anchor_shapes[name]) for name, value in fetched.items()}
 
     def _peers(self) -> Any:
         """Collectives failed by a stopped instance become the kit's error (:mod:`.distributed`)."""

@@ -27,7 +27,6 @@ from ..._names import GRADIENT_PREFIX
 from ..._problems import Problem, raise_errors
 from ...errors import DataError
 from ...shapes import AnchorReturnType
-from . import profiling
 from .runtime import XlaBackend
 from .steps import loop
 
@@ -307,24 +306,18 @@ class XlaTrainingBackend(XlaBackend):
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.io.check_inputs(inputs)
-        with self._lock:
-            if self.pipeline is not None:
-                return self.pipeline.run(inputs)
-            if self._program is None:
-                self.prepare()
-            with self._peers(), profiling.run(self):
-                device_inputs = self.placement.put(self._host_inputs(inputs),
-                                                   self._stream_axes(), resident=self.on_host)
-                state, buffers, flags = self._execute(device_inputs)
-                out, flags = self.placement.fetch((buffers, flags))
-            if not flags.all():
-                self._refuse_non_finite(flags)
-            anchors = {name: value.reshape(self._anchor_shapes[name])
-                       for name, value in out.items()}
-            # the commit: one assignment, after everything that can fail
-            self._weights, self._opt_state = state
+    def _step(self, device_inputs: Mapping[str, Any]) -> Any:
+        state, buffers, flags = self._execute(device_inputs)
+        out, flags = self.placement.fetch((buffers, flags))
+        return state, out, flags
+
+    def _finish(self, fetched: Any) -> dict[str, np.ndarray]:
+        state, out, flags = fetched
+        if not flags.all():
+            self._refuse_non_finite(flags)
+        anchors = super()._finish(out)
+        # the commit: one assignment, after everything that can fail
+        self._weights, self._opt_state = state
         return anchors
 
     def _refuse_non_finite(self, flags: np.ndarray) -> None:
