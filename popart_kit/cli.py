@@ -188,7 +188,7 @@ def _poprun(args: argparse.Namespace) -> int:
 @_quietly
 def _ipujob(args: argparse.Namespace) -> int:
     """A Kubernetes IPUJob as YAML on stdout, for ``kubectl create -f -``."""
-    from ._launch import k8s_name
+    from ._job_artefacts import k8s_name
 
     cfg = _load(args.config, Console(stderr=True))
     if cfg is None:

@@ -207,7 +207,7 @@ class Plan:
         kit's first arguments; those the config decides (``--num-replicas``, ...) are refused.
         The kit adds ``--print-topology yes`` so that the log shows which IPUs each instance got.
         """
-        from ._launch import check_poprun_args, program_args
+        from ._job_artefacts import check_poprun_args, program_args
 
         argv = program_args(program)
         args = ["poprun"] + (["--allow-run-as-root", "1"] if allow_run_as_root else [])
@@ -234,7 +234,7 @@ class Plan:
         requests as much when no request is given); 200Gi as in Graphcore's POD examples.
         ``name`` must be a Kubernetes DNS-1123 label. :meth:`ipujob_yaml` gives the YAML.
         """
-        from ._launch import check_k8s, program_args
+        from ._job_artefacts import check_k8s, program_args
 
         check_k8s(name, image, cpu, memory, shm_size)
         argv = program_args(command)
@@ -275,7 +275,7 @@ class Plan:
     def ipujob_yaml(self, image: str, command: str | Sequence[str], name: str,
                     **options: Any) -> str:
         """:meth:`ipujob_manifest` as the YAML ``kubectl create -f -`` reads."""
-        from ._launch import to_yaml
+        from ._job_artefacts import to_yaml
 
         return to_yaml(self.ipujob_manifest(image, command, name, **options))
 
