@@ -320,8 +320,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     how.add_argument("--instance-timeout", type=float, default=300.0, metavar="SECONDS",
                      help="bound on each multi-instance variant")
     how.add_argument("--no-progress", action="store_true")
-    how.add_argument("--out", default="bench-results", metavar="DIR",
-                     help="where results.json, results.csv and the plots go")
+    how.add_argument("--out", default=None, metavar="DIR",
+                     help="where results.json, results.csv and the plots go (default "
+                          "bench-results)")
     saved = bench.add_argument_group("saved results")
     saved.add_argument("--plot", metavar="RESULTS.json",
                        help="redraw the plots of saved results (into --out if given, else "
@@ -354,8 +355,7 @@ def _bench(args: argparse.Namespace) -> int:
         out.print(table)
         return 0
     if args.plot:
-        explicit = "--out" in sys.argv or any(a.startswith("--out=") for a in sys.argv)
-        for path in bench.redraw(args.plot, args.out if explicit else None):
+        for path in bench.redraw(args.plot, args.out):
             out.print(str(path))
         return 0
     results = bench.sweep(
@@ -366,14 +366,14 @@ def _bench(args: argparse.Namespace) -> int:
         heads=args.heads, image=args.image, spec=args.spec, backend=args.backend,
         repeat=args.repeat, warmup=args.warmup, baselines=not args.no_baselines,
         skip_invalid=args.skip_invalid, progress=not args.no_progress,
-        instance_timeout=args.instance_timeout, out=args.out)
+        instance_timeout=args.instance_timeout, out=args.out or "bench-results")
     out.print(bench.table(results["variants"]))
     out.print(f"machine: {bench.describe(results['machine'])}", soft_wrap=True)
     for row in results["variants"]:
         if row.get("note"):
             out.print(f"[yellow]{row['status']}[/yellow] {row['name']}: {row['note']}",
                       soft_wrap=True)
-    out.print(f"wrote {args.out}/results.json, results.csv and plots")
+    out.print(f"wrote {args.out or 'bench-results'}/results.json, results.csv and plots")
     return 0
 
 

@@ -46,14 +46,17 @@ class Variant:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def config(self, target: str = "offline") -> Any:
-        """The SessionConfig of instance 0 (validated: a bad combination raises)."""
+    def config(self, target: str = "offline", popdist: bool = False) -> Any:
+        """The SessionConfig of instance 0 (validated: a bad combination raises); with
+        ``popdist``, replication is left to the environment (``with_popdist_env``)."""
         import popart_kit as pk
 
         local = self.replication // self.instances
         replication: dict[str, int] = {"local_factor": local}
         if self.instances > 1:
             replication.update(global_factor=self.replication, global_offset=0)
+        if popdist:
+            replication = {}
         return pk.SessionConfig(
             mode=self.mode, batches_per_step=self.batches_per_step,
             accumulation={"factor": self.accumulation}, replication=replication,

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     v = Variant(**job["variant"])
     built = model_of(v)
     start = time.perf_counter()
-    cfg = v.config().with_popdist_env()
+    cfg = v.config(popdist=True).with_popdist_env()
     sess = prepare(v, "xla", built, cfg)
     sess.prepare()
     inputs = inputs_of(sess, built)
