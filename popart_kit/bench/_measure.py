@@ -66,7 +66,9 @@ def inputs_of(sess: Any, built: Built) -> dict[str, np.ndarray]:
 
 def _jax_baseline(v: Variant, built: Built, inputs: dict[str, np.ndarray]) -> Any:
     """The same step written by hand: a vmap of the forward over every micro-batch
-    (inference), or a scan of bps SGD updates over A x R micro-batches each (training)."""
+    (inference), or a scan of bps SGD updates over A x R micro-batches each (training). Like a
+    session's run it takes host inputs and returns host outputs (inference) or keeps the
+    updated weights on the device (training)."""
     import jax
     import jax.numpy as jnp
 
@@ -74,11 +76,11 @@ def _jax_baseline(v: Variant, built: Built, inputs: dict[str, np.ndarray]) -> An
     x = inputs[built.x]
     sample = sample_shape(built)
     if v.mode == "inference":
-        xs = jnp.asarray(x.reshape((-1, v.micro_batch, *sample)))
+        xs = np.ascontiguousarray(x.reshape((-1, v.micro_batch, *sample)))
         program = jax.jit(jax.vmap(lambda m: built.forward(ws, m)))
         return lambda: np.asarray(program(xs))
-    xs = jnp.asarray(x.reshape((v.batches_per_step, -1, *sample)))
-    ys = jnp.asarray(inputs[built.label].reshape((v.batches_per_step, -1)))
+    xs = np.ascontiguousarray(x.reshape((v.batches_per_step, -1, *sample)))
+    ys = np.ascontiguousarray(inputs[built.label].reshape((v.batches_per_step, -1)))
 
     def update(w, batch):
         def objective(w):

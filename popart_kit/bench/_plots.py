@@ -30,6 +30,13 @@ def _series(rows: list[dict[str, Any]], x: str, keep: tuple[str, ...]) -> dict[s
     return out
 
 
+def _log2_ticks(ax: Any, values: list[int]) -> None:
+    """A log-2 x axis labelled with the swept values themselves."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
+
+
 def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
     """Write the plots that the results have data for into ``directory``; their paths."""
     import matplotlib
@@ -69,7 +76,7 @@ def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
         right.axhline(1.0, color="0.5", ls=":", label="ideal")
         left.plot([], [], ":", color="0.5", label="ideal (linear from the smallest R)")
         for ax in (left, right):
-            ax.set_xscale("log", base=2)
+            _log2_ticks(ax, sorted({r["replication"] for r in rows}))
             ax.set_xlabel("replication factor")
             ax.grid(alpha=0.3)
         left.set_yscale("log")
@@ -84,7 +91,7 @@ def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
         for label, series in _series(rows, "batches_per_step", keep).items():
             ax.plot([r["batches_per_step"] for r in series],
                     [r["samples_per_s"] for r in series], "o-", label=label)
-        ax.set_xscale("log", base=2)
+        _log2_ticks(ax, sorted({r["batches_per_step"] for r in rows}))
         ax.set_yscale("log")
         ax.set_xlabel("batches per step (device iterations)")
         ax.set_ylabel("samples/s")
