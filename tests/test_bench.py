@@ -176,3 +176,27 @@ def test_importing_the_kit_does_not_import_matplotlib_or_jax():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_readme_spec_is_valid(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
+                if "benchmarks:" in b]
+    spec = tmp_path / "bench.yaml"
+    spec.write_text(block)
+    found, options = pk.bench.from_spec(spec)
+    assert options == {"repeat": 10} and len(found) == 12 + 4
+    from popart_kit.bench import _validate
+
+    assert {r["status"] for r in _validate(found, "xla", skip_invalid=False)} == {"ok"}
+
+
+def test_a_toml_spec_reads_as_the_yaml_one(tmp_path):
+    spec = tmp_path / "bench.toml"
+    spec.write_text('[defaults]\nmodel = "convnet"\n[benchmarks.s]\nreplication = "1,2"\n')
+    found, _ = pk.bench.from_spec(spec)
+    assert [(v.name, v.model, v.replication) for v in found] == [("s_r1", "convnet", 1),
+                                                                 ("s_r2", "convnet", 2)]
