@@ -3,7 +3,8 @@
     python benchmarks/distributed_bench.py [--repeat 3] [--runs 20] [--hidden 256]
 
 Both train the same MLP on the same global batches (bps 16 SGD updates per run, 4 replicas in
-all), measured in the same invocation, alternated ``--repeat`` times; the ratio is the median
+all), measured in the same invocation, alternated ``--repeat`` times (each the median of
+``--runs`` runs after a warm-up, timed by ``popart_kit.bench``); the ratio is the median
 2 x 2 samples/s over the median 1 x 4 samples/s. The expected overhead is the gloo all-reduce
 of the gradients between the processes, reported per update: a program that does nothing but
 all-reduce gradient-shaped arrays over the two instances, timed inside the 2 x 2 run.
@@ -19,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -62,10 +62,7 @@ def allreduce_seconds(shapes: list[tuple[int, ...]], count: int = 50) -> float:
     size = sum(int(np.prod(s)) for s in shapes)
     grads = [jax.make_array_from_process_local_data(NamedSharding(mesh, P()),
                                                     np.ones(size, np.float32))]
-    jax.block_until_ready(program(grads))
-    start = time.perf_counter()
-    jax.block_until_ready(program(grads))
-    return (time.perf_counter() - start) / count
+    return pk.bench.best_of(3, lambda: jax.block_until_ready(program(grads))) / count
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -81,13 +78,9 @@ def worker(args: argparse.Namespace) -> None:
     data = {names["x"]: rng.normal(0, 1, (BPS, g, MICRO, FEATURES)).astype(np.float32),
             names["label"]: rng.integers(0, CLASSES, (BPS, g, MICRO)).astype(np.int32)}
     share = sess.io.shard(data)
-    sess.run(share)  # compile and warm up
-    start = time.perf_counter()
-    for _ in range(args.runs):
-        sess.run(share)
-    seconds = time.perf_counter() - start
-    result = {"samples_per_s": args.runs * BPS * g * MICRO / seconds,
-              "update_ms": 1e3 * seconds / (args.runs * BPS)}
+    sess.run(share)  # compile
+    step = pk.bench.interleaved(args.runs, run=lambda: sess.run(share))["run"].median
+    result = {"samples_per_s": BPS * g * MICRO / step, "update_ms": 1e3 * step / BPS}
     if cfg.replication.is_distributed:
         shapes = [w.shape for w in sess.weights().values()]
         result["allreduce_ms"] = 1e3 * allreduce_seconds(shapes)

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
                                    "intra_op_parallelism_threads=1")
-sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
 import popart_kit as pk  # noqa: E402
-from timing import best_of  # noqa: E402
+from popart_kit.bench import best_of  # noqa: E402
 
 
 def model(stages: int, width: int, layers: int, micro: int):

@@ -28,12 +28,10 @@ import argparse
 import functools
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,16 +48,9 @@ MICRO_BATCH = 32
 
 
 def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
-    """Median seconds of each function, called in turn ``repeat`` times after one warm-up."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds of each function, called in turn ``repeat`` times after one warm-up
+    (:func:`popart_kit.bench.interleaved`)."""
+    return {name: s.median for name, s in pk.bench.interleaved(repeat, **fns).items()}
 
 
 def ready(value: Any) -> Any:

@@ -19,7 +19,7 @@ import platform
 import numpy as np
 
 import popart_kit as pk
-from timing import best_of
+from popart_kit.bench import best_of
 
 BPS, ACCUMULATION, LOCAL, INSTANCES, MICRO_BATCH = 16, 4, 4, 2, 8
 

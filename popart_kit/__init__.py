@@ -35,6 +35,7 @@ _HOMES = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 if TYPE_CHECKING:
+    from . import bench
     from ._problems import PopartKitWarning
     from .errors import (
         ConfigError,
@@ -127,6 +128,7 @@ __all__ = [
     "InvalidModel",
     "InvalidData",
     "to_half",
+    "bench",
 ]
 
 

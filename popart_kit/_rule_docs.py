@@ -143,6 +143,17 @@ RULES: dict[str, tuple[str, str]] = {
     "K-launch-k8s": ("IPUJob names are DNS-1123 labels; image, CPU and memory well formed.",
                      "kubectl refuses the resource."),
     "K-report-missing": ("popart-kit report DIR needs a report an xla session wrote.", _KIT),
+    "K-bench-sweep": ("A bench sweep's lists are distinct positive integers, its variants valid "
+                      "sessions (else refused before anything runs, or --skip-invalid).", _KIT),
+    "K-bench-model": ("A bench model is a built-in one (mlp, convnet, encoder) with at least as "
+                      "many layers as stages, or an ONNX file with a streamed input and an "
+                      "output (and a loss to train).", _KIT),
+    "K-bench-spec": ("A bench spec is a YAML or TOML file with a 'benchmarks' table of named "
+                     "parameter tables.", _KIT),
+    "K-bench-results": ("--plot and --compare read results.json files written by popart-kit "
+                        "bench; compared results share variant names.", _KIT),
+    "K-bench-instances": ("Every instance of a multi-instance bench variant reports its "
+                          "numbers.", _KIT),
     # -- optimizers -------------------------------------------------------------------------------
     "K-optimizer-arguments": ("learning_rate given once.", _KIT),
     "K-optimizer-hyper": ("Hyperparameters match the compiled optimizer's.", _KIT),

@@ -279,7 +279,102 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(run=_run_script)
     _add_launch(commands)
+    _add_bench(commands)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """`popart-kit bench`: a sweep, its results (JSON, CSV, PNG), redrawn or compared."""
+    bench = commands.add_parser(
+        "bench", help="sweep replication, batches per step, accumulation, stages and instances "
+                      "over a model; write results.json, results.csv and PNG plots",
+        description="Lists are comma-separated: --replication 1,2,4,8 --batches-per-step 1,16,64."
+                    " Every combination is a variant.")
+    what = bench.add_argument_group("what to run")
+    what.add_argument("--model", default="mlp", choices=("mlp", "convnet", "encoder"),
+                      help="a built-in model (default mlp)")
+    what.add_argument("--onnx", metavar="MODEL.onnx", help="time this ONNX model instead")
+    what.add_argument("--loss", help="the loss tensor of --onnx when training")
+    what.add_argument("--mode", default="inference", choices=("inference", "training"))
+    what.add_argument("--spec", metavar="FILE", help="named variants from a YAML/TOML spec")
+    for flag, default in (("--replication", "1"), ("--batches-per-step", "1"),
+                          ("--accumulation", "1"), ("--stages", "1"), ("--instances", "1"),
+                          ("--micro-batch", "16")):
+        what.add_argument(flag, default=default, metavar="N,N,...",
+                          help=f"values to sweep (default {default})")
+    sizes = bench.add_argument_group("built-in model sizes")
+    sizes.add_argument("--width", type=int, default=256, help="features / channels / d_model")
+    sizes.add_argument("--layers", type=int, default=2, help="hidden layers, conv or encoder "
+                                                             "blocks (>= stages)")
+    sizes.add_argument("--seq", type=int, default=32, help="encoder sequence length")
+    sizes.add_argument("--heads", type=int, default=4, help="encoder attention heads")
+    sizes.add_argument("--image", type=int, default=16, help="convnet image side")
+    how = bench.add_argument_group("how")
+    how.add_argument("--backend", default="xla", choices=("xla", "popart"))
+    how.add_argument("--repeat", type=int, default=5, help="timed runs per variant")
+    how.add_argument("--warmup", type=int, default=1, help="uncounted runs after the first")
+    how.add_argument("--no-baselines", action="store_true",
+                     help="skip the hand-written JAX and onnxruntime baselines")
+    how.add_argument("--skip-invalid", action="store_true",
+                     help="record invalid combinations as skipped instead of refusing the sweep")
+    how.add_argument("--instance-timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="bound on each multi-instance variant")
+    how.add_argument("--no-progress", action="store_true")
+    how.add_argument("--out", default=None, metavar="DIR",
+                     help="where results.json, results.csv and the plots go (default "
+                          "bench-results)")
+    saved = bench.add_argument_group("saved results")
+    saved.add_argument("--plot", metavar="RESULTS.json",
+                       help="redraw the plots of saved results (into --out if given, else "
+                            "next to the file)")
+    saved.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                       help="compare two saved results variant by variant (B / A)")
+    bench.set_defaults(run=_bench, bench_parser=bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    out = Console()
+    out = Console(width=max(out.width, 160))  # the table's columns, unclipped in a pipe
+    if args.compare:
+        a, b = (bench.load(p) for p in args.compare)
+        from rich.table import Table
+
+        for label, data, path in (("A", a, args.compare[0]), ("B", b, args.compare[1])):
+            machine = data.get("machine") or {}
+            out.print(f"{label}: {path}: {bench.describe(machine) if machine else '?'}"
+                      f" (commit {machine.get('commit')})", soft_wrap=True)
+        table = Table(show_edge=False)
+        for col in ("variant", "A samples/s", "B samples/s", "A step ms", "B step ms", "B / A"):
+            table.add_column(col, justify="left" if col == "variant" else "right")
+        for row in bench.compare(a, b):
+            table.add_row(row["name"], f"{row['a_samples_per_s']:,.0f}",
+                          f"{row['b_samples_per_s']:,.0f}", f"{row['a_step_ms']:.2f}",
+                          f"{row['b_step_ms']:.2f}", f"{row['ratio']:.2f}x")
+        out.print(table)
+        return 0
+    if args.plot:
+        for path in bench.redraw(args.plot, args.out):
+            out.print(str(path))
+        return 0
+    results = bench.sweep(
+        model=args.model, mode=args.mode, onnx=args.onnx, loss=args.loss,
+        replication=args.replication, batches_per_step=args.batches_per_step,
+        accumulation=args.accumulation, stages=args.stages, instances=args.instances,
+        micro_batch=args.micro_batch, width=args.width, layers=args.layers, seq=args.seq,
+        heads=args.heads, image=args.image, spec=args.spec, backend=args.backend,
+        repeat=args.repeat, warmup=args.warmup, baselines=not args.no_baselines,
+        skip_invalid=args.skip_invalid, progress=not args.no_progress,
+        instance_timeout=args.instance_timeout, out=args.out or "bench-results")
+    out.print(bench.table(results["variants"]))
+    out.print(f"machine: {bench.describe(results['machine'])}", soft_wrap=True)
+    for row in results["variants"]:
+        if row.get("note"):
+            out.print(f"[yellow]{row['status']}[/yellow] {row['name']}: {row['note']}",
+                      soft_wrap=True)
+    out.print(f"wrote {args.out or 'bench-results'}/results.json, results.csv and plots")
+    return 0
 
 
 def _launch_arguments(parser: argparse.ArgumentParser) -> None:

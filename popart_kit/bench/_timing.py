@@ -1,0 +1,57 @@
+"""One way to time things: warm-up calls excluded, then calls interleaved so every function
+sees the same machine load, summarised as median and spread."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Stats", "interleaved", "best_of", "stats"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Seconds of several timed calls."""
+
+    median: float
+    p25: float
+    p75: float
+    min: float
+    max: float
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median (0.05 = the middle half within 5 %)."""
+        return (self.p75 - self.p25) / self.median if self.median > 0 else float("nan")
+
+
+def stats(times: list[float]) -> Stats:
+    """The summary of ``times`` (seconds; at least one)."""
+    ordered = sorted(times)
+    if len(ordered) == 1:
+        q1 = q3 = ordered[0]
+    else:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return Stats(statistics.median(ordered), q1, q3, ordered[0], ordered[-1], len(ordered))
+
+
+def interleaved(repeat: int, warmup: int = 1, **fns: Callable[[], object]) -> dict[str, Stats]:
+    """Each function called ``warmup`` times (not counted), then all in turn ``repeat`` times."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, repeat)):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: stats(t) for name, t in times.items()}
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    """Seconds of the fastest of ``repeat`` calls of ``fn`` after one warm-up call."""
+    return interleaved(repeat, fn=fn)["fn"].min
