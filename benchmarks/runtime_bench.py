@@ -53,10 +53,6 @@ def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
     return {name: s.median for name, s in pk.bench.interleaved(repeat, **fns).items()}
 
 
-def ready(value: Any) -> Any:
-    return jax.block_until_ready(value)
-
-
 # -- models -------------------------------------------------------------------------------------
 
 
@@ -186,7 +182,8 @@ def training(repeat: int) -> None:
         ys = inputs["label"].reshape(bps, MICRO_BATCH)
         device_w = tuple(jnp.asarray(w) for w in weights)
         t = interleaved(repeat, session=functools.partial(sess.run, inputs),
-                        jit=lambda xs=xs, ys=ys, w=device_w: ready(program(w, xs, ys)))
+                        jit=lambda xs=xs, ys=ys, w=device_w: jax.block_until_ready(
+                            program(w, xs, ys)))
         print(f"{'mlp':<10} {bps:>4} {t['session'] * 1e3:>9.2f}ms {t['jit'] * 1e3:>7.2f}ms "
               f"{t['session'] / t['jit']:>6.2f}x")
     unchecked = pk.TrainingSession(model, training_cfg(16), loss=loss,
@@ -266,7 +263,7 @@ def replication(repeat: int) -> None:
                             one=functools.partial(one.run, ione),
                             split=functools.partial(split.run, isplit))
             print(f"{mode:<10} R={replicas}: {replicas * t['base'] / t['one']:.2f}x R=1 "
-                  f"throughput; one device vs {len(split._backend.devices)} devices: "
+                  f"throughput; one device vs {len(split._backend.placement.devices)} devices: "
                   f"{t['split'] / t['one']:.2f}x")
     placement.CPU_REPLICA_DEVICES = 1
 

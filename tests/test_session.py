@@ -256,7 +256,7 @@ def test_a_fresh_process_runs_cpu_replicas_vectorised_without_a_word():
             sess = pk.InferenceSession(b.getModelProto(), cfg, anchors={y: "All"},
                                        backend="xla")
         import jax
-        print(len(sess._backend.devices), len(jax.devices()))
+        print(len(sess._backend.placement.devices), len(jax.devices()))
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=False)

@@ -68,11 +68,10 @@ class AnchorBuffers:
                     ((r,) if a.period is None else (a.slots, r)) + a.shape, a.dtype)
                 for name, a in self._anchors.items()}
 
-    def nbytes(self, kept_whole_only: bool = False) -> dict[str, int]:
-        """Bytes of each buffer (``kept_whole_only``: those that keep every micro-batch)."""
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each buffer."""
         return {name: int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
-                for name, s in self.shapes().items()
-                if not kept_whole_only or self._anchors[name].period == 1}
+                for name, s in self.shapes().items()}
 
     def init(self, replicas: int) -> dict[str, jax.Array]:
         """Zeroed buffers for ``replicas`` replicas (a device's block)."""

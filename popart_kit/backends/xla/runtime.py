@@ -5,8 +5,8 @@ evaluated in chunks (:mod:`.steps`), so memory does not grow with M beyond what 
 All; anchors are reduced or selected as the chunks go (:mod:`.anchors`). Where replicas run and
 how arrays move is the :class:`~.placement.Placement`'s; before the first run the step's memory
 is estimated and a step that cannot fit is refused (:mod:`.memory`). A run does the input
-check, one transfer, the program and one fetch, under a lock: concurrent runs on one session
-take turns.
+check, one transfer, the program (one call, or one per chunk where :mod:`.steps` loops from the
+host) and one fetch, under a lock: concurrent runs on one session take turns.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class XlaBackend:
             for name, art in self.anchors.items()})
         self.placement = Placement(config.replication.local_factor,
                                    processes=config.replication.instances)
-        self.devices = self.placement.devices
         self.micro_batches = config.batches_per_step * config.accumulation.factor
         self.buffers = AnchorBuffers(self.anchors, {n: (s.shape, s.dtype)
                                                     for n, s in found.items()},
@@ -252,7 +251,7 @@ class XlaBackend:
                   f"EveryN instead of All" if whole else "")
                + f", or evaluate fewer micro-batches at once (micro_batches_per_chunk, now "
                  f"{self.chunk}).")
-        check_fits(type(self).__name__, parts, self.devices[0], fix, detail)
+        check_fits(type(self).__name__, parts, self.placement.devices[0], fix, detail)
         self.memory = parts
 
     def prepare(self) -> None:

@@ -2,14 +2,16 @@
 
 One ``run`` is bps weight updates. Each update accumulates, in one gradient accumulator, the
 gradient of the loss summed over chunks of its A micro-batches on every local replica (memory
-flat in A), reduces it once over the replicas - a sum, divided by A x R for Mean, as PopART's
-Post strategy does - and applies the optimizer. Hyperparameters live on the device and change
-only through ``set_optimizer``, so changing them never recompiles.
+flat in A), reduces it once over the replicas of every instance - a sum, divided by A x the
+global replica count for Mean, as PopART's Post strategy does - and applies the optimizer.
+Hyperparameters live on the device and change only through ``set_optimizer``, so changing them
+never recompiles.
 
 A run is atomic: the program computes new weights and optimizer state beside the committed
 ones, and they replace them only once the run has succeeded (anchors fetched, every update
 finite); an exception or KeyboardInterrupt at any point leaves the session as it was. A run
-whose loss or gradients are not finite is refused the same way, naming the update.
+whose loss or updated weights are not finite is refused the same way, naming the first update
+with a non-finite loss and the weights that ended non-finite.
 """
 
 from __future__ import annotations
