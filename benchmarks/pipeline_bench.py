@@ -1,20 +1,21 @@
 """Pipelined vs unpipelined on the xla backend: measured vs planned bubble and speedup.
 
 A compute-bound model with balanced stages (each stage: ``--layers`` matmuls of a [mb, D] x
-[D, D] and tanh) runs pipelined over K stages (one device each) and unpipelined (one device),
-one XLA thread per device (``--xla_cpu_multi_thread_eigen=false``), in the same process so the
-ratios share the machine's load. Reported per K: the schedule's bubble (K-1)/(M+K-1), the
-bubble measured from the executor's trace, and the speedup planned for the cores available
-against the measured one.
+[D, D] and tanh) runs pipelined over K stages and unpipelined, in the same process so the
+ratios share the machine's load. One thread per device: the unpipelined run is this process
+with one CPU device and one XLA thread (``PJRT_NPROC=1``), and the pipelined run puts each stage
+in a worker process of its own with one thread (``pipeline_workers="processes"``). XLA:CPU gives
+all virtual devices of one process a single shared thread pool, so stages on virtual devices of
+one process (``--workers threads``) cannot compute side by side, whatever the cores.
 
-Planned speedup: unpipelined, one device does all M x K stage-passes one after the other;
-pipelined, K devices share ``cores`` cores: a run takes at least M + K - 1 slots (the schedule)
-and at least M x K / min(K, cores) slots (the work), so the planned speedup is
-M x K / max(M + K - 1, M x K / min(K, cores)). On a 2-core machine K = 4 stages cannot be
-faster than 2x, however small the bubble. XLA:CPU does not run K virtual devices fully in
-parallel even with K free cores, so the script also measures that ceiling - K independent
-copies of one stage's program on K devices at once against one after the other - and gives the
-speedup planned with it (``parallel`` devices instead of ``min(K, cores)``).
+Reported per K: the schedule's bubble (K-1)/(M+K-1), the bubble measured from the executor's
+trace, and the speedup planned for the cores available against the measured one. Planned:
+unpipelined, one thread does all M x K stage-passes one after the other; pipelined, K stages
+share ``cores`` cores, so a run takes at least M + K - 1 slots (the schedule) and at least
+M x K / min(K, cores) slots (the work): the planned speedup is M x K / max(M + K - 1,
+M x K / min(K, cores)). On a 2-core machine K = 4 stages cannot be faster than 2x, however
+small the bubble. Training is timed but not planned: a device holds a forward and a backward
+pipeline stage of unequal cost, which the grid's unit slots do not describe.
 
     python benchmarks/pipeline_bench.py [--stages 2 4] [--micro-batches 16] [--training]
 """
@@ -23,15 +24,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                                   "intra_op_parallelism_threads=1")
+os.environ["PJRT_NPROC"] = "1"  # one XLA thread for this process's device (read at start)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import popart_kit as pk  # noqa: E402
-from popart_kit.bench import best_of  # noqa: E402
+from popart_kit.bench import interleaved  # noqa: E402
 
 
 def model(stages: int, width: int, layers: int, micro: int):
@@ -50,7 +52,7 @@ def model(stages: int, width: int, layers: int, micro: int):
     return b.getModelProto(), x, h, loss
 
 
-def session(stages, pipelined, training, args):
+def session(stages, pipelined, training, args, workers="threads"):
     proto, x, y, loss = model(stages, args.width, args.layers, args.micro)
     depth = 2 * stages - 1 if training else stages
     m = max(args.micro_batches, depth)
@@ -63,48 +65,65 @@ def session(stages, pipelined, training, args):
         warnings.simplefilter("ignore")
         if training:
             sess = pk.TrainingSession(proto, cfg, loss=loss, optimizer=pk.SGD(learning_rate=1e-4),
-                                      anchors={loss: "Final"}, backend="xla")
+                                      anchors={loss: "Final"}, backend="xla",
+                                      pipeline_workers=workers)
         else:
-            sess = pk.InferenceSession(proto, cfg, anchors={y: "Final"}, backend="xla")
+            sess = pk.InferenceSession(proto, cfg, anchors={y: "Final"}, backend="xla",
+                                       pipeline_workers=workers)
     feed = {x: np.random.default_rng(1).standard_normal(sess.io.input_shape(x))
             .astype(np.float32)}
     return sess, feed, m, depth
 
 
-def device_parallelism(k: int, args: argparse.Namespace) -> float:
-    """How much faster K devices run K independent copies of one stage's program at once (one
-    thread each) than one device after the other: what the platform gives a K-stage pipeline."""
-    import threading
+def stage_copy(args: argparse.Namespace) -> None:
+    """Print the median milliseconds of one stage's work (``--layers`` matmul+tanh of a
+    [micro, width] batch) on this process's one thread (run as a copy by ``concurrency``)."""
+    import time
 
-    import jax
     import jax.numpy as jnp
 
-    def stage(w: jax.Array, x: jax.Array) -> jax.Array:
-        for _ in range(args.layers):
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((args.width, args.width)).astype(np.float32)
+                      / args.width) for _ in range(args.layers)]
+    x = jnp.asarray(rng.standard_normal((args.micro, args.width)).astype(np.float32))
+
+    @jax.jit
+    def stage(ws, x):
+        for w in ws:
             x = jnp.tanh(x @ w)
         return x
 
-    devices = jax.devices()[:k]
-    program = jax.jit(stage)
-    rng = np.random.default_rng(0)
-    ws = [jax.device_put(rng.standard_normal((args.width, args.width)).astype(np.float32)
-                         / args.width, d) for d in devices]
-    xs = [jax.device_put(rng.standard_normal((args.micro, args.width)).astype(np.float32), d)
-          for d in devices]
+    stage(ws, x).block_until_ready()
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    times = []
+    for _ in range(args.micro_batches * args.repeat):
+        start = time.perf_counter()
+        stage(ws, x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    print(f"{np.median(times) * 1e3:.4f}", flush=True)
 
-    def one(i: int) -> None:
-        for _ in range(args.micro_batches):
-            program(ws[i], xs[i]).block_until_ready()
 
-    def together() -> None:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+def concurrency(k: int, args: argparse.Namespace) -> float:
+    """How much work K single-threaded processes, each doing one stage's work, get done at
+    once against one alone (K x one alone's time / their time): the most a K-stage pipeline
+    of one-thread devices can gain on this machine."""
+    import subprocess
 
-    sequential = best_of(args.repeat, lambda: [one(i) for i in range(k)])
-    return sequential / best_of(args.repeat, together)
+    def together(n: int) -> float:
+        cmd = [sys.executable, __file__, "--stage-copy", "--layers", str(args.layers),
+               "--width", str(args.width), "--micro", str(args.micro),
+               "--micro-batches", str(args.micro_batches), "--repeat", str(args.repeat)]
+        procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(n)]
+        for p in procs:
+            p.stdout.readline()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return float(np.median([float(p.communicate()[0]) for p in procs]))
+
+    return k * together(1) / together(k)
 
 
 def main() -> None:
@@ -112,41 +131,49 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, default=16)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--micro", type=int, default=128)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--training", action="store_true")
+    parser.add_argument("--workers", choices=["processes", "threads"], default="processes",
+                        help="where the pipelined stages run (threads: virtual devices of this "
+                             "process, which share its one thread)")
+    parser.add_argument("--stage-copy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stage_copy:
+        return stage_copy(args)
+    jax.config.update("jax_num_cpu_devices", 1 if args.workers == "processes" else
+                      max(args.stages))
+    jax.devices()  # start JAX now, with that many devices
     cores = len(os.sched_getaffinity(0))
     mode = "training" if args.training else "inference"
     print(f"{mode}, {cores} cores, load {os.getloadavg()[0]:.2f}, one XLA thread per device, "
-          f"mb {args.micro} x {args.width}, {args.layers} matmul+tanh per stage")
-    print(f"{'K':>2} {'M':>3} {'planned':>8} {'measured':>8}   {'unpiped':>8} {'threads':>8} "
-          f"{'dispatch':>8}   {'speedup':>7} {'planned':>7}   {'parallel':>8} {'planned':>7}")
+          f"stages in {args.workers}, mb {args.micro} x {args.width}, {args.layers} "
+          f"matmul+tanh per stage")
+    print(f"{'K':>2} {'M':>3} {'bubble':>7} {'measured':>8}   {'unpiped':>8} {'piped':>8}   "
+          f"{'speedup':>7} {'planned':>7}   {'parallel':>8} {'planned':>7} {'reached':>7}")
     for k in args.stages:
-        piped, feed, m, depth = session(k, True, args.training, args)
+        piped, feed, m, depth = session(k, True, args.training, args, args.workers)
         plain, _, _, _ = session(k, False, args.training, args)
-        executor = piped._backend.pipeline
-        t_plain = best_of(args.repeat, lambda p=plain, f=feed: p.run(f))
-        executor.threads = True
-        t_threads = best_of(args.repeat, lambda p=piped, f=feed: p.run(f))
-        measured = executor.measured_bubble
-        executor.threads = False
-        t_dispatch = best_of(args.repeat, lambda p=piped, f=feed: p.run(f))
-        planned_bubble = piped.schedule.bubble_fraction
-        # the unit of work is one stage pass; training's loss stage does F and B in one slot
-        passes = m * k
+        piped.prepare()  # start the stage workers
+        times = interleaved(args.repeat, plain=lambda p=plain, f=feed: p.run(f),
+                            piped=lambda p=piped, f=feed: p.run(f))
+        t_plain, t_piped = times["plain"].median, times["piped"].median
+        piped.run(feed)
+        measured = piped._backend.pipeline.measured_bubble
+        piped_bubble = piped.schedule.bubble_fraction
+        if piped._backend.pipeline.processes is not None:
+            piped._backend.pipeline.processes.close()  # before measuring the machine
+        passes = m * k  # the unit of work is one stage pass
         planned = passes / max(m + depth - 1, passes / min(k, cores))
-        best = min(t_threads, t_dispatch)
-        # training: a device holds a forward and a backward pipeline stage of unequal cost, so
-        # neither the grid's bubble nor this speedup formula describes its devices; not planned
-        parallel = device_parallelism(k, args)
-        with_ceiling = passes / max(m + depth - 1, passes / parallel)
-        shown = "    n/a" if args.training else f"{planned:>6.2f}x"
-        ceiling = "    n/a" if args.training else f"{with_ceiling:>6.2f}x"
-        print(f"{k:>2} {m:>3} {planned_bubble:>8.1%} {measured:>8.1%}   {t_plain * 1e3:>6.1f}ms "
-              f"{t_threads * 1e3:>6.1f}ms {t_dispatch * 1e3:>6.1f}ms   "
-              f"{t_plain / best:>6.2f}x {shown}   {parallel:>7.2f}x {ceiling}")
+        parallel = concurrency(k, args)
+        with_parallel = passes / max(m + depth - 1, passes / parallel)
+        speedup = t_plain / t_piped
+        shown = ("    n/a" if args.training else f"{planned:>6.2f}x") + "   " + (
+            f"{parallel:>7.2f}x" + ("     n/a     n/a" if args.training else
+                                   f" {with_parallel:>6.2f}x {speedup / with_parallel:>7.0%}"))
+        print(f"{k:>2} {m:>3} {piped_bubble:>7.1%} {measured:>8.1%}   "
+              f"{t_plain * 1e3:>6.1f}ms {t_piped * 1e3:>6.1f}ms   {speedup:>6.2f}x {shown}")
 
 
 if __name__ == "__main__":

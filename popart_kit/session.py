@@ -130,7 +130,9 @@ class InferenceSession(_Session):
     defaults to every graph output with ``All``. ``backend`` is ``"auto"`` (popart where the
     Poplar SDK imports, else xla), ``"xla"`` or ``"popart"``. ``micro_batches_per_chunk`` (xla
     only) sets how many micro-batches are evaluated at once; by default as many as keep their
-    activations small.
+    activations small. ``pipeline_workers`` (xla only) runs a pipelined model's stages on this
+    process's devices (``"threads"``, the default) or in a worker process each
+    (``"processes"``: on CPU, the only way stages compute side by side).
     """
 
     _mode = "inference"
@@ -140,7 +142,7 @@ class InferenceSession(_Session):
                  config: SessionConfig, anchors: Mapping[str, Any] | None = None,
                  backend: str = "auto", *, popart: Any = None,
                  micro_batches_per_chunk: int | None = None,
-                 check_indices: bool = True) -> None:
+                 check_indices: bool = True, pipeline_workers: str | None = None) -> None:
         proto = load_model(model)
         self._open(proto, config, anchors if anchors is not None else {
             o.name: "All" for o in proto.graph.output}, backend, check_indices)
@@ -150,7 +152,8 @@ class InferenceSession(_Session):
                              "anchors={tensor: 'All'} or add outputs to the model.",
                               rule="K-session-anchors")
         self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart,
-                                              micro_batches_per_chunk=micro_batches_per_chunk)
+                                              micro_batches_per_chunk=micro_batches_per_chunk,
+                                              pipeline_workers=pipeline_workers)
         self._share_index_sizes()
 
 
@@ -161,8 +164,9 @@ class TrainingSession(_Session):
     A micro-batches on every local replica, reduced as ``config.accumulation.reduction`` says.
     ``anchors`` default to the loss with ``Final``. A run is atomic: it applies all its updates
     or none. On the xla backend, a run whose loss or gradients are not finite raises and
-    applies nothing (``check_finite=False`` skips the check), and ``micro_batches_per_chunk``
-    sets how many micro-batches are evaluated at once.
+    applies nothing (``check_finite=False`` skips the check), ``micro_batches_per_chunk``
+    sets how many micro-batches are evaluated at once, and ``pipeline_workers`` where a
+    pipelined model's stages run (as for InferenceSession).
     """
 
     _mode = "training"
@@ -172,7 +176,8 @@ class TrainingSession(_Session):
                  config: SessionConfig, loss: str, optimizer: Any,
                  anchors: Mapping[str, Any] | None = None, backend: str = "auto", *,
                  popart: Any = None, micro_batches_per_chunk: int | None = None,
-                 check_finite: bool | None = None, check_indices: bool = True) -> None:
+                 check_finite: bool | None = None, check_indices: bool = True,
+                 pipeline_workers: str | None = None) -> None:
         if not isinstance(optimizer, SGD | Adam):
             raise ConfigTypeError(f"optimizer={clip(repr(optimizer), 80)}: give pk.SGD(...) or "
                                   f"pk.Adam(...).", rule="K-session-type")
@@ -183,7 +188,8 @@ class TrainingSession(_Session):
                    check_indices)
         self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
             backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer,
-            micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite)
+            micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite,
+            pipeline_workers=pipeline_workers)
         self._share_index_sizes()
         self.loss, self.optimizer = loss, optimizer
 

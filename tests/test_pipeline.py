@@ -32,7 +32,8 @@ def mlp(stages: int):
     return b.getModelProto(), x, h, loss, weights
 
 
-def session(stages, replicas, training, pipelined, bps, acc=1, recompute="none", seed=0):
+def session(stages, replicas, training, pipelined, bps, acc=1, recompute="none", seed=0,
+            workers="threads", sum_anchor=False):
     model, x, y, loss, _ = mlp(stages)
     cfg = pk.SessionConfig(
         mode="training" if training else "inference", batches_per_step=bps,
@@ -43,9 +44,12 @@ def session(stages, replicas, training, pipelined, bps, acc=1, recompute="none",
         warnings.simplefilter("ignore", pk.PopartKitWarning)
         if training:
             sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(learning_rate=LR),
-                                      anchors={loss: "All", y: "All"}, backend="xla")
+                                      anchors={loss: "All", y: "All"}, backend="xla",
+                                      pipeline_workers=workers)
         else:
-            sess = pk.InferenceSession(model, cfg, anchors={y: "All"}, backend="xla")
+            anchors = {y: "Sum" if sum_anchor else "All"}
+            sess = pk.InferenceSession(model, cfg, anchors=anchors, backend="xla",
+                                       pipeline_workers=workers)
     rng = np.random.default_rng(seed)
     feed = {x: rng.standard_normal(sess.io.input_shape(x)).astype(np.float32)}
     return sess, feed

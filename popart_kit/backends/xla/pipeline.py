@@ -67,10 +67,14 @@ from ...schedule import Action, PipelineSchedule, measured_bubble
 from .lowering import LoweredGraph
 from .steps import vmap
 
-__all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE"]
+__all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE", "WORKERS"]
 
 #: pipeline.recomputation values that mean "recompute a stage's forward in its backward".
 RECOMPUTE = frozenset({"standard", "recompute_all", "pipeline"})
+#: Where stages run: threads of this process (one virtual device each), or worker processes.
+WORKERS = ("threads", "processes")
+#: Set in a stage worker process (stage_processes.py): its one device stands for every stage.
+STAGE_WORKER = False
 
 
 @dataclass(frozen=True)
@@ -153,8 +157,11 @@ def split(backend: Any, wanted: list[str]) -> list[Stage] | str:
     return stages
 
 
-def executor_for(backend: Any) -> tuple[PipelineExecutor | None, str]:
-    """The executor a pipelined backend runs with, or None and why not."""
+def executor_for(backend: Any, workers: str = "threads",
+                 spec: Any = None) -> tuple[PipelineExecutor | None, str]:
+    """The executor a pipelined backend runs with, or None and why not. ``workers``: see
+    :data:`WORKERS`; ``spec()`` tells a worker process how to rebuild the backend
+    (stage_processes.py)."""
     config = backend.config
     if not config.pipeline.enabled:
         return None, ""
@@ -174,6 +181,14 @@ def executor_for(backend: Any) -> tuple[PipelineExecutor | None, str]:
     if training and backend.loss not in stages[-1].anchors:
         return None, f"the loss {backend.loss!r} is not computed on the last stage"
     devices = jax.devices()
+    if STAGE_WORKER:
+        return PipelineExecutor(backend, stages, devices[:1] * len(stages)), ""
+    if workers == "processes":
+        from .stage_processes import StageProcesses
+
+        executor = PipelineExecutor(backend, stages, [])
+        executor.processes = StageProcesses(spec, len(stages))
+        return executor, ""
     if len(devices) < len(stages):
         return None, (f"{len(stages)} stages need {len(stages)} devices and this host has "
                       f"{len(devices)} {devices[0].platform.upper()} device(s)")
@@ -249,12 +264,22 @@ class PipelineExecutor:
         self.record, self.threads = True, True
         self.trace: list[tuple[Action, int, float, float]] = []
         self._programs: dict[int, dict[str, Any]] = {}
-        self._source: Any = None  # the committed weights the stage copies came from
+        self.processes: Any = None  # StageProcesses, with pipeline_workers="processes"
+        self._keeping = self._kept()
+        self._held: tuple[Any, Any] | None = None  # (weights, optimizer state) workers hold
 
     @property
-    def placement(self) -> dict[tuple[int, int], jax.Device]:
-        """(replica, stage) -> device."""
-        return {(r, s): d for s, d in enumerate(self.devices) for r in range(self.replicas)}
+    def placement(self) -> dict[tuple[int, int], Any]:
+        """(replica, stage) -> device (a :class:`~.stage_processes.WorkerDevice` when the
+        stages run in worker processes)."""
+        self.start()
+        devices = self.processes.devices if self.processes is not None else self.devices
+        return {(r, s): d for s, d in enumerate(devices) for r in range(self.replicas)}
+
+    def start(self) -> None:
+        """Start the stages' worker processes, if they run in processes (else nothing)."""
+        if self.processes is not None:
+            self.processes.start()
 
     @property
     def measured_bubble(self) -> float:
@@ -398,8 +423,44 @@ class PipelineExecutor:
     # -- a run ----------------------------------------------------------------------------
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        host = self.backend._host_inputs(inputs)
+        ctx = self._in_processes(host) if self.processes is not None else self._here(host)
+        self.trace = sorted(ctx["trace"], key=lambda e: e[2])
+        out = self._finish(host, ctx)
+        self._held = (self.backend._weights, getattr(self.backend, "_opt_state", None))
+        return out
+
+    def _in_processes(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """A run by the stages' worker processes: each gets its stage's inputs and committed
+        state, and hands back its anchors, new state and trace."""
         b = self.backend
-        host = b._host_inputs(inputs)
+        every = set(b.trained) if self.training else set()
+        hyper = jax.device_get(b._hyper) if self.training else None
+        # the workers keep the state of the last run that committed: sent only when it changed
+        held = self._held is not None and self._held[0] is b._weights and (
+            self._held[1] is getattr(b, "_opt_state", None))
+        self._held = None  # until this run commits
+        payloads = [dict(
+            streams={k: host[k] for k in st.streams},
+            weights=None if held else jax.device_get({k: b._weights[k] for k in st.weights}),
+            states=(jax.device_get(_select(b._opt_state, set(self._trained(st)), every))
+                    if self.training and not held else None),
+            hyper=hyper) for st in self.stages]
+        results = self.processes.run(payloads)
+        if not self.training:
+            return dict(outputs={k: v for r in results for k, v in r["outputs"].items()},
+                        sums={k: v for r in results for k, v in r["sums"].items()},
+                        trace=[e for r in results for e in r["trace"]], weights=[], states=[])
+        put = b.placement.put_everywhere
+        return dict(outputs={k: v for r in results for k, v in r["outputs"].items()},
+                    sums={k: v for r in results for k, v in r["sums"].items()},
+                    weights=[put(r["weights"]) for r in results],
+                    states=[put(r["states"]) for r in results] if self.training else [],
+                    trace=[e for r in results for e in r["trace"]])
+
+    def _here(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """A run by this process: one thread per stage device, or one dispatching thread."""
+        b = self.backend
         streams = [jax.device_put({k: host[k] for k in st.streams}, d)
                    for st, d in zip(self.stages, self.devices, strict=True)]
         weights, states = self._stage_state()
@@ -408,10 +469,10 @@ class PipelineExecutor:
         accs = [{k: jnp.zeros_like(w[k]) for k in self._trained(st)} if self.training else None
                 for st, w in zip(self.stages, weights, strict=True)]
         board = _Board()
-        outputs: dict[tuple[int, int], dict] = {}  # (stage, micro-batch) -> anchors
+        outputs: dict[tuple[str, int], Any] = {}  # (tensor, micro-batch) -> value kept
         trace: list[tuple[Action, int, float, float]] = []
         ctx = dict(streams=streams, weights=weights, states=states, hyper=hyper, accs=accs,
-                   board=board, outputs=outputs, trace=trace, lock=threading.Lock())
+                   board=board, outputs=outputs, sums={}, trace=trace, lock=threading.Lock())
         for s in range(len(self.stages)):
             self.programs(s)
         if self.threads:
@@ -426,15 +487,15 @@ class PipelineExecutor:
         else:
             for group in self.schedule.by_slot():
                 for action in group:
-                    self._act(action, ctx)
-        self.trace = sorted(trace, key=lambda e: e[2])
-        return self._finish(host, ctx)
+                    self._act(action, ctx, self._receive(action, ctx))
+        return ctx
 
     def _worker(self, s: int, ctx: dict) -> None:
         try:
             for action in self.schedule.for_stage(s):
+                got = self._receive(action, ctx)  # waiting for a neighbour is idle time
                 start = time.perf_counter()
-                done = self._act(action, ctx)
+                done = self._act(action, ctx, got)
                 jax.block_until_ready(done)
                 end = time.perf_counter()
                 if self.record and action.kind != "U":
@@ -446,14 +507,26 @@ class PipelineExecutor:
     def _index(self, a: Action) -> int:
         return a.update * self.schedule.micro_batches + (a.micro_batch or 0)
 
-    def _act(self, a: Action, ctx: dict) -> Any:
+    def _receive(self, a: Action, ctx: dict) -> Any:
+        """What action ``a`` waits for: the activations from the stage before (F), or the
+        gradient from the stage after and its own stash (B), on its device."""
         s, board, dev = a.stage, ctx["board"], self.devices[a.stage]
+        m = self._index(a)
+        if a.kind == "F":
+            return jax.device_put(board.take(("F", s - 1, m)), dev) if s else {}
+        if a.kind == "B" and s < len(self.stages) - 1:
+            return jax.device_put(board.take(("B", s + 1, m)), dev), board.take(("stash", s, m))
+        return None
+
+    def _act(self, a: Action, ctx: dict, got: Any) -> Any:
+        """Action ``a`` given what it received; returns what to wait for to see it done."""
+        s, board = a.stage, ctx["board"]
         p = self.programs(s)
         last = s == len(self.stages) - 1
         m = self._index(a)
         x = ctx["streams"][s]
         if a.kind == "F":
-            recv = jax.device_put(board.take(("F", s - 1, m)), dev) if s else {}
+            recv = got
             w = ctx["weights"][s]
             if not self.training:
                 carry, aux = p["forward"](w, recv, x, np.int32(m))
@@ -470,13 +543,12 @@ class PipelineExecutor:
                 board.put(("stash", s, m), vjp)
             if not last:
                 board.put(("F", s, m), carry)
-            ctx["outputs"][(s, m)] = aux
+            self._keep(ctx, m, aux)
             return (carry, aux)
         if a.kind == "B":
             if last:
                 return None  # done with the forward, in the same slot
-            g = jax.device_put(board.take(("B", s + 1, m)), dev)
-            stashed = board.take(("stash", s, m))
+            g, stashed = got
             if isinstance(stashed, tuple):
                 w_then, recv = stashed
                 ctx["accs"][s], grad = p["again"](w_then, ctx["weights"][s], recv, x,
@@ -492,21 +564,48 @@ class PipelineExecutor:
             ctx["weights"][s], ctx["states"][s], ctx["accs"][s], ctx["hyper"][s])
         return ctx["weights"][s]
 
+    def _kept(self) -> tuple[dict[str, frozenset[int]], set[str]]:
+        """For each tensor a stage computes for the anchors: the micro-batches a run keeps
+        (those its anchors return, and every loss for the finiteness check), and which tensors
+        are summed instead (Sum anchors), so a run holds no more than it returns."""
+        b, config = self.backend, self.backend.config
+        computed = {t for st in self.stages for t in st.anchors}
+        kept: dict[str, set[int]] = {t: set() for t in computed}
+        summed: set[str] = set()
+        for name, art in b.anchors.items():
+            t = b._anchor_tensor(name)
+            if t not in computed:
+                continue
+            if art.name == "Sum":
+                summed.add(t)
+            else:
+                kept[t].update(art.returned_micro_batches(config.batches_per_step,
+                                                          config.accumulation.factor))
+        if self.training:
+            kept[b.loss].update(range(b.micro_batches))
+        return {t: frozenset(v) for t, v in kept.items()}, summed
+
+    def _keep(self, ctx: dict, m: int, aux: Mapping[str, Any]) -> None:
+        kept, summed = self._keeping
+        for t, v in aux.items():
+            if m in kept[t]:
+                ctx["outputs"][(t, m)] = v
+            if t in summed:
+                ctx["sums"][t] = v if t not in ctx["sums"] else ctx["sums"][t] + v
+
     def _finish(self, host: Mapping[str, np.ndarray], ctx: dict) -> dict[str, np.ndarray]:
         b, config = self.backend, self.backend.config
-        total = b.micro_batches
-        tensors = {a: b._anchor_tensor(a) for a in b.anchors}
-        where = {t: st.index for st in self.stages for t in st.anchors}
-        wanted = set(tensors.values()) | ({b.loss} if self.training else set())
-        values = b.placement.fetch({t: [ctx["outputs"][(where[t], m)][t] for m in range(total)]
-                                    for t in wanted if t in where})
-        stacked = {t: np.stack(v) for t, v in values.items()}
-        for t in wanted - set(stacked):  # a stream input anchored
-            v = host[t]
-            stacked[t] = v if v.ndim > len(b.io.inputs[t].shape) + 1 else np.repeat(
+        values = b.placement.fetch({"kept": ctx["outputs"], "sums": ctx["sums"]})
+        kept, sums = values["kept"], values["sums"]
+        for t in {b._anchor_tensor(a) for a in b.anchors} - set(self._keeping[0]):
+            v = host[t]  # a stream input anchored: [micro-batches, (replicas,) ...]
+            v = v if v.ndim > len(b.io.inputs[t].shape) + 1 else np.repeat(
                 v[:, None], self.replicas, axis=1)
+            kept.update(((t, m), v[m]) for m in range(b.micro_batches))
+            sums[t] = v.sum(axis=0, dtype=v.dtype)
         if self.training and b.check_finite:
-            losses = stacked[b.loss].reshape(config.batches_per_step, -1)
+            losses = np.stack([kept[(b.loss, m)] for m in range(b.micro_batches)]).reshape(
+                config.batches_per_step, -1)
             ends = b.placement.fetch({k: jnp.isfinite(v).all() for w in ctx["weights"]
                                       for k, v in w.items() if k in b.trained})
             flags = np.array([bool(np.isfinite(row).all()) for row in losses]
@@ -514,13 +613,13 @@ class PipelineExecutor:
             if not flags.all():
                 b._refuse_non_finite(flags)
         out = {}
-        for name, tensor in tensors.items():
-            art, v = b.anchors[name], stacked[tensor]
+        for name, art in b.anchors.items():
+            t = b._anchor_tensor(name)
             if art.name == "Sum":
-                v = v.sum(axis=0, dtype=v.dtype)
+                v = np.asarray(sums[t])
             else:
-                v = v[list(art.returned_micro_batches(config.batches_per_step,
-                                                      config.accumulation.factor))]
+                v = np.stack([kept[(t, m)] for m in art.returned_micro_batches(
+                    config.batches_per_step, config.accumulation.factor)])
             out[name] = np.ascontiguousarray(v).reshape(b._anchor_shapes[name])
         if self.training:  # the commit, after everything that can fail
             every = set(b.trained)

@@ -206,14 +206,15 @@ class Placement:
 
     @staticmethod
     def fetch(tree: Any) -> Any:
-        """Device results as writable host arrays (one copy each); of a global array, only this
-        process's part (its local replicas)."""
+        """Device results as writable host arrays (one copy each; host arrays pass as they
+        are); of a global array, only this process's part (its local replicas)."""
         leaves, structure = jax.tree.flatten(tree)
         if any(not getattr(leaf, "is_fully_addressable", True) for leaf in leaves):
             return jax.tree.unflatten(structure, [_local_part(leaf) for leaf in leaves])
         if len(leaves) > 1:
             for leaf in leaves:
-                leaf.copy_to_host_async()  # all transfers start before the first is awaited
+                if isinstance(leaf, jax.Array):
+                    leaf.copy_to_host_async()  # all transfers start before the first waits
         elif len(leaves) == 1:
             return jax.tree.unflatten(structure, [np.array(leaves[0])])
         return jax.tree.unflatten(structure, [np.array(leaf) for leaf in leaves])

@@ -23,6 +23,7 @@ import onnx
 
 from ..._problems import Problem, emit_warnings, raise_errors, warn
 from ...builder import broadcast_inputs
+from ...errors import InvalidConfig
 from ...shapes import AnchorReturnType
 from ...stepio import StepIOFactory, TensorSpec
 from ..base import check_weights
@@ -32,7 +33,7 @@ from .lowering import LoweredGraph, lower
 from .ops import partials
 from .memory import check_fits
 from . import profiling
-from .pipeline import executor_for
+from .pipeline import WORKERS, executor_for
 from .placement import Placement, ensure_host_devices
 from .steps import chunk_bytes, loop, loops_on_host, vmap
 
@@ -43,19 +44,26 @@ class XlaBackend:
     """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics.
 
     ``micro_batches_per_chunk`` overrides how many micro-batches are evaluated at once (by
-    default as many as keep a chunk's activations under ``steps.chunk_bytes``)."""
+    default as many as keep a chunk's activations under ``steps.chunk_bytes``).
+    ``pipeline_workers`` says where a pipelined model's stages run: ``"threads"`` (default:
+    one virtual device each, in this process) or ``"processes"`` (a worker process each, the
+    only way stages run side by side on CPU; see ``stage_processes``)."""
 
     name = "xla"
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType],
-                 micro_batches_per_chunk: int | None = None) -> None:
+                 micro_batches_per_chunk: int | None = None,
+                 pipeline_workers: str = "threads") -> None:
         if config.replication.is_distributed:  # one process of several: join the others
             initialize(config.replication)
         ensure_host_devices()  # before the lowering starts JAX
         self.model, self.config = model, config
         self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
-        raise_errors("XlaBackend", self._problems(anchors, micro_batches_per_chunk))
+        problems = self._problems(anchors, micro_batches_per_chunk, pipeline_workers)
+        options = all(p.loc[0] in ("micro_batches_per_chunk", "pipeline_workers")
+                      for p in problems)  # only the session's own arguments are wrong
+        raise_errors("XlaBackend", problems, error=InvalidConfig if options else None)
         _warn_meaningless(config)
         self.anchors = dict(anchors)
         broadcast = broadcast_inputs(model)
@@ -83,15 +91,16 @@ class XlaBackend:
             {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
         self._program: Any = None
         self.memory: dict[str, int] = {}  # the step's memory by part, once prepared
-        self.pipeline, self.unpipelined_because = executor_for(self)
+        self.pipeline, self.unpipelined_because = executor_for(self, pipeline_workers,
+                                                               self._worker_spec)
         if self.unpipelined_because:
             warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the "
                  f"stages one after the other on one device (same numerics).")
 
     # -- what the backend refuses -----------------------------------------------------------------
 
-    def _problems(self, anchors: Mapping[str, AnchorReturnType],
-                  chunk: int | None) -> list[Problem]:
+    def _problems(self, anchors: Mapping[str, AnchorReturnType], chunk: int | None,
+                  workers: str = "threads") -> list[Problem]:
         """What this backend cannot run, all at once, before anything compiles."""
         out = [Problem(("anchors", a), f"anchor {a!r} is not a tensor of the model.",
                        "anchor an input, a weight or a node output.", "K-anchor-unknown")
@@ -112,7 +121,24 @@ class XlaBackend:
                                f"micro_batches_per_chunk={chunk!r} is not a positive integer.",
                                "give a count of 1 or more, or None for the default.",
                                "K-chunk"))
+        if workers not in WORKERS:
+            out.append(Problem(("pipeline_workers",), f"pipeline_workers={workers!r} is not "
+                               f"one of {', '.join(map(repr, WORKERS))}.",
+                               "use 'threads' (stages on this process's devices) or "
+                               "'processes' (a worker process per stage).", "K-pipeline-workers"))
+        elif workers == "processes" and self.config.replication.instances > 1:
+            out.append(Problem(("pipeline_workers",), f"pipeline_workers='processes' with "
+                               f"{self.config.replication.instances} instances: stage workers "
+                               f"run one process's stages, not instances joined over "
+                               f"jax.distributed.", "use pipeline_workers='threads' across "
+                               "instances.", "K-pipeline-workers"))
         return out
+
+    def _worker_spec(self) -> dict[str, Any]:
+        """What a stage worker process needs to rebuild this backend (stage_processes.py)."""
+        return dict(model=self.model.SerializeToString(), config=self.config,
+                    anchors=self.anchors, loss=getattr(self, "loss", None),
+                    optimizer=getattr(self, "optimizer", None), options={})
 
     def _anchor_tensor(self, anchor: str) -> str:
         """The tensor whose shape and dtype an anchor has (itself, for inference)."""
@@ -257,8 +283,11 @@ class XlaBackend:
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
         with self._lock:
-            if self._program is not None or self.pipeline is not None:
-                return  # a pipeline compiles its stage programs as they first run
+            if self.pipeline is not None:
+                self.pipeline.start()  # its stage programs compile as they first run
+                return
+            if self._program is not None:
+                return
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
             started = time.perf_counter()
             # float32 products in float32, as an IPU computes them (GPUs would otherwise use

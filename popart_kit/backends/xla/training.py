@@ -52,9 +52,10 @@ class XlaTrainingBackend(XlaBackend):
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType], loss: str, optimizer: Any,
-                 micro_batches_per_chunk: int | None = None, check_finite: bool = True) -> None:
+                 micro_batches_per_chunk: int | None = None, check_finite: bool = True,
+                 pipeline_workers: str = "threads") -> None:
         self.loss = loss
-        super().__init__(model, config, anchors, micro_batches_per_chunk)
+        super().__init__(model, config, anchors, micro_batches_per_chunk, pipeline_workers)
         problems = []
         if config.pipeline.enabled and config.accumulation.factor == 1 and self.pipeline is None:
             problems.append(Problem(
