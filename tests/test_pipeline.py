@@ -201,3 +201,23 @@ def test_too_few_devices_falls_back_once_and_refuses_stale_weights(monkeypatch):
     stale = cfg.model_copy(update={"mode": "training", "batches_per_step": 3})
     with pytest.raises(pk.PopartKitError, match="stale weights.*need 2 devices"):
         pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+
+
+def test_replicas_of_a_stage_on_devices_of_their_own(monkeypatch):
+    """R replicas x K stages on R x K devices, where the unpipelined placement gives each
+    replica a device (CPU does only when asked: its virtual devices share one thread pool)."""
+    from popart_kit.backends.xla import placement
+
+    monkeypatch.setattr(placement, "CPU_REPLICA_DEVICES", 8)
+    for training in (False, True):
+        piped, feed = session(2, 4, training, True, bps=2, acc=3 if training else 1)
+        plain, _ = session(2, 4, training, False, bps=2, acc=3 if training else 1)
+        where = piped.placement
+        assert len(set(where.values())) == 8  # every (replica, stage) on its own device
+        assert {where[(r, 0)] for r in range(4)}.isdisjoint({where[(r, 1)] for r in range(4)})
+        for _ in range(2):
+            a, b = piped.run(feed), plain.run(feed)
+            for name in b:
+                np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
+        for name, value in plain.weights().items():
+            np.testing.assert_allclose(piped.weights()[name], value, rtol=2e-5, atol=1e-6)

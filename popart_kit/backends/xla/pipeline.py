@@ -4,17 +4,21 @@ by the :class:`~popart_kit.schedule.PipelineSchedule`.
 **Split.** The lowered graph is cut at the model's ``__pipeline_stage`` annotations (else its
 ``__ipu_number`` ones, as PopART infers stages) into one program per stage. Stage s receives
 from stage s - 1 every tensor a later stage needs (PopART's chain of IPU copies), reads its own
-stream inputs and owns the weights its nodes read. Stage s runs on device s; its program runs
-the R local replicas vectorised (on CPU replicas share a device, as the unpipelined placement
-measured best), so replica r's stage s is on device s and a replica's stages are on distinct
-devices. Fewer devices than stages: the backend says so once and runs unpipelined.
+stream inputs and owns the weights its nodes read. Stage s runs on its own devices: as many as
+the unpipelined placement gives the R local replicas (so R x K devices for R replicas of K
+stages where the host has them), else one, its program running the replicas vectorised. On CPU
+that is one device per stage, and the stages of one process share its threads (XLA:CPU has one
+intra-op pool per process): ``pipeline_workers="processes"`` puts each stage in a worker
+process of its own (``stage_processes.py``). Fewer devices than stages: the backend says so
+once and runs unpipelined.
 
-**Executor.** Each device has a worker that does its stage's actions in the schedule's order,
-waiting for the activations (forward) or gradients (backward) it needs from its neighbours;
-programs on different devices run at once, and each action's start and end are recorded
-(:attr:`PipelineExecutor.trace`), from which the measured bubble follows. Gradients
-accumulate per stage on its device; the replicas' gradients are summed inside each stage's
-vectorised backward, and the optimizer runs once per update per stage.
+**Executor.** Each stage has a worker (a thread here, or a process) that does its stage's
+actions in the schedule's order, waiting for the activations (forward) or gradients (backward)
+it needs from its neighbours; stages run at once, and each action's start (once its inputs are
+there) and end are recorded (:attr:`PipelineExecutor.trace`), from which the measured bubble
+follows. Gradients accumulate per stage on its devices; the replicas' gradients are summed
+inside each stage's vectorised backward, and the optimizer runs once per update per stage. A
+run keeps only the micro-batches its anchors return (Sum anchors are summed on the stage).
 
 **Stashing and recomputation.** Without recomputation a forward keeps its stage's
 linearisation (JAX's residuals: PopART's stashed activations) for the backward. With
@@ -60,11 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ...errors import ConfigError
 from ...layout import PIPELINE_STAGE, VIRTUAL_GRAPH
 from ...schedule import Action, PipelineSchedule, measured_bubble
 from .lowering import LoweredGraph
+from .placement import REPLICA, replica_devices
 from .steps import vmap
 
 __all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE", "WORKERS"]
@@ -181,18 +188,24 @@ def executor_for(backend: Any, workers: str = "threads",
     if training and backend.loss not in stages[-1].anchors:
         return None, f"the loss {backend.loss!r} is not computed on the last stage"
     devices = jax.devices()
+    k = len(stages)
     if STAGE_WORKER:
-        return PipelineExecutor(backend, stages, devices[:1] * len(stages)), ""
+        return PipelineExecutor(backend, stages, [devices[:1]] * k), ""
     if workers == "processes":
         from .stage_processes import StageProcesses
 
         executor = PipelineExecutor(backend, stages, [])
         executor.processes = StageProcesses(spec, len(stages))
         return executor, ""
-    if len(devices) < len(stages):
-        return None, (f"{len(stages)} stages need {len(stages)} devices and this host has "
+    if len(devices) < k:
+        return None, (f"{k} stages need {k} devices and this host has "
                       f"{len(devices)} {devices[0].platform.upper()} device(s)")
-    return PipelineExecutor(backend, stages, devices[:len(stages)]), ""
+    # a stage's replicas on as many devices as the unpipelined placement would give them
+    # (on CPU one: virtual devices share the process's threads), while the host has R x K
+    per = len(replica_devices(config.replication.local_factor, devices[0].platform))
+    per = per if len(devices) >= per * k else 1
+    return PipelineExecutor(backend, stages,
+                            [devices[s * per:(s + 1) * per] for s in range(k)]), ""
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -253,7 +266,8 @@ class PipelineExecutor:
     run; ``threads``: one worker per device (else every action is dispatched from one thread
     in schedule order and JAX's asynchronous dispatch overlaps them; no trace then)."""
 
-    def __init__(self, backend: Any, stages: list[Stage], devices: list[jax.Device]) -> None:
+    def __init__(self, backend: Any, stages: list[Stage],
+                 devices: list[list[jax.Device]]) -> None:
         self.backend, self.stages, self.devices = backend, stages, devices
         config = backend.config
         self.training = hasattr(backend, "loss")
@@ -264,6 +278,7 @@ class PipelineExecutor:
         self.record, self.threads = True, True
         self.trace: list[tuple[Action, int, float, float]] = []
         self._programs: dict[int, dict[str, Any]] = {}
+        self._meshes: dict[int, Mesh] = {}
         self.processes: Any = None  # StageProcesses, with pipeline_workers="processes"
         self._keeping = self._kept()
         self._held: tuple[Any, Any] | None = None  # (weights, optimizer state) workers hold
@@ -273,8 +288,22 @@ class PipelineExecutor:
         """(replica, stage) -> device (a :class:`~.stage_processes.WorkerDevice` when the
         stages run in worker processes)."""
         self.start()
-        devices = self.processes.devices if self.processes is not None else self.devices
-        return {(r, s): d for s, d in enumerate(devices) for r in range(self.replicas)}
+        if self.processes is not None:
+            return {(r, s): d for s, d in enumerate(self.processes.devices)
+                    for r in range(self.replicas)}
+        return {(r, s): group[r * len(group) // self.replicas]
+                for s, group in enumerate(self.devices) for r in range(self.replicas)}
+
+    def _where(self, s: int, replica_axis: int | None = None) -> Any:
+        """Where stage ``s`` keeps an array: its device, or over its devices split along
+        ``replica_axis`` (None: a copy on each)."""
+        group = self.devices[s]
+        if len(group) == 1:
+            return group[0]
+        if s not in self._meshes:
+            self._meshes[s] = Mesh(np.array(group), (REPLICA,))
+        spec = P() if replica_axis is None else P(*(None,) * replica_axis, REPLICA)
+        return NamedSharding(self._meshes[s], spec)
 
     def start(self) -> None:
         """Start the stages' worker processes, if they run in processes (else nothing)."""
@@ -411,13 +440,13 @@ class PipelineExecutor:
     def _stage_state(self) -> tuple[list[dict], list[Any]]:
         """The committed weights (and optimizer state) split over the stages' devices."""
         b = self.backend
-        weights = [jax.device_put({k: b._weights[k] for k in st.weights}, d)
-                   for st, d in zip(self.stages, self.devices, strict=True)]
+        weights = [jax.device_put({k: b._weights[k] for k in st.weights}, self._where(s))
+                   for s, st in enumerate(self.stages)]
         if not self.training:
             return weights, []
         every = set(b.trained)
-        states = [jax.device_put(_select(b._opt_state, set(self._trained(st)), every), d)
-                  for st, d in zip(self.stages, self.devices, strict=True)]
+        states = [jax.device_put(_select(b._opt_state, set(self._trained(st)), every),
+                                 self._where(s)) for s, st in enumerate(self.stages)]
         return weights, states
 
     # -- a run ----------------------------------------------------------------------------
@@ -447,25 +476,24 @@ class PipelineExecutor:
                     if self.training and not held else None),
             hyper=hyper) for st in self.stages]
         results = self.processes.run(payloads)
-        if not self.training:
-            return dict(outputs={k: v for r in results for k, v in r["outputs"].items()},
-                        sums={k: v for r in results for k, v in r["sums"].items()},
-                        trace=[e for r in results for e in r["trace"]], weights=[], states=[])
         put = b.placement.put_everywhere
         return dict(outputs={k: v for r in results for k, v in r["outputs"].items()},
                     sums={k: v for r in results for k, v in r["sums"].items()},
-                    weights=[put(r["weights"]) for r in results],
+                    weights=[put(r["weights"]) for r in results] if self.training else [],
                     states=[put(r["states"]) for r in results] if self.training else [],
                     trace=[e for r in results for e in r["trace"]])
 
     def _here(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """A run by this process: one thread per stage device, or one dispatching thread."""
         b = self.backend
-        streams = [jax.device_put({k: host[k] for k in st.streams}, d)
-                   for st, d in zip(self.stages, self.devices, strict=True)]
+        io = b.io.inputs
+        streams = [jax.device_put({k: host[k] for k in st.streams},
+                                  {k: self._where(s, None if io[k].broadcast else 1)
+                                   for k in st.streams})
+                   for s, st in enumerate(self.stages)]
         weights, states = self._stage_state()
-        hyper = ([jax.device_put(b._hyper, d) for d in self.devices] if self.training
-                 else [None] * len(self.devices))
+        hyper = [jax.device_put(b._hyper, self._where(s)) if self.training else None
+                 for s in range(len(self.stages))]
         accs = [{k: jnp.zeros_like(w[k]) for k in self._trained(st)} if self.training else None
                 for st, w in zip(self.stages, weights, strict=True)]
         board = _Board()
@@ -510,7 +538,7 @@ class PipelineExecutor:
     def _receive(self, a: Action, ctx: dict) -> Any:
         """What action ``a`` waits for: the activations from the stage before (F), or the
         gradient from the stage after and its own stash (B), on its device."""
-        s, board, dev = a.stage, ctx["board"], self.devices[a.stage]
+        s, board, dev = a.stage, ctx["board"], self._where(a.stage, 0)
         m = self._index(a)
         if a.kind == "F":
             return jax.device_put(board.take(("F", s - 1, m)), dev) if s else {}
