@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, default=16)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--micro", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--training", action="store_true")

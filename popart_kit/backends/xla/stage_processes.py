@@ -29,14 +29,15 @@ import contextlib
 import os
 import pickle
 import queue
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
 import weakref
-from multiprocessing.connection import Connection
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -76,26 +77,70 @@ def default_threads(stages: int) -> int:
 
 
 class _Link:
-    """One end of a socket pair: pickled messages, sent from a thread of its own."""
+    """One end of a socket pair carrying pickled messages whose arrays travel out of band
+    (pickle protocol 5): each array crosses as its raw bytes, received straight into the
+    buffer the unpickled array then uses. ``threaded``: sends go through a thread of their
+    own, so a stage never waits for its neighbour to read."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._out: queue.Queue[Any] = queue.Queue()
-        self._sender = threading.Thread(target=self._send_all, daemon=True)
-        self._sender.start()
+    def __init__(self, sock: socket.socket, threaded: bool = False) -> None:
+        self.sock = sock
+        self._out: queue.Queue[Any] | None = None
+        self._sender: threading.Thread | None = None
+        if threaded:
+            self._out = queue.Queue()
+            self._sender = threading.Thread(target=self._send_all, daemon=True)
+            self._sender.start()
 
     def _send_all(self) -> None:
-        while (message := self._out.get()) is not None:
+        assert self._out is not None
+        while (message := self._out.get()) is not _CLOSE:
             try:
-                self.conn.send(message)
+                self._send_now(message)
             except OSError:
                 return
 
+    def _send_now(self, message: Any) -> None:
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+        raws = [b.raw() for b in buffers]
+        self.sock.sendall(struct.pack(f"<QQ{len(raws)}Q", len(head), len(raws),
+                                      *(r.nbytes for r in raws)) + head)
+        for raw in raws:
+            self.sock.sendall(raw)
+
     def send(self, message: Any) -> None:
-        self._out.put(message)
+        if self._out is not None:
+            self._out.put(message)
+        else:
+            self._send_now(message)
 
     def recv(self) -> Any:
-        return self.conn.recv()
+        size, count = struct.unpack("<QQ", self._read(16))
+        sizes = struct.unpack(f"<{count}Q", self._read(8 * count)) if count else ()
+        head = self._read(size)
+        return pickle.loads(head, buffers=[self._read(n) for n in sizes])
+
+    def _read(self, n: int) -> bytearray:
+        out = bytearray(n)
+        view, got = memoryview(out), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the other end closed its link")
+            got += k
+        return out
+
+    def poll(self, seconds: float) -> bool:
+        return bool(select.select([self.sock], [], [], seconds)[0])
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.put(_CLOSE)
+            self._sender.join(5)  # type: ignore[union-attr]
+        self.sock.close()
+
+
+_CLOSE = object()
 
 
 class StageProcesses:
@@ -106,7 +151,7 @@ class StageProcesses:
         self.spec, self.stages = spec, stages
         self.threads = threads if threads is not None else default_threads(stages)
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._links: list[Connection] = []
+        self._links: list[_Link] = []
         self.devices: list[WorkerDevice] = []
         self._closer = weakref.finalize(self, _stop, self._procs, self._links)
 
@@ -131,7 +176,7 @@ class StageProcesses:
         finally:
             for sock in [p[1] for p in pairs] + [end for c in chain for end in c]:
                 sock.close()
-        self._links.extend(Connection(p[0].detach()) for p in pairs)
+        self._links.extend(_Link(p[0]) for p in pairs)
         spec = self.spec()
         for s, link in enumerate(self._links):
             link.send(("init", dict(spec, stage=s)))
@@ -205,7 +250,7 @@ def _socket_pair() -> tuple[socket.socket, socket.socket]:
     return pair
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], links: list[Connection]) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]], links: list[_Link]) -> None:
     for link in links:
         with contextlib.suppress(OSError):
             link.close()
@@ -362,12 +407,12 @@ def _portable(error: BaseException) -> BaseException | None:
 
 def main(argv: list[str]) -> None:
     fds = [int(a) for a in argv]
-    links = [_Link(Connection(fd)) if fd >= 0 else None for fd in fds]
+    links = [_Link(socket.socket(fileno=fd), threaded=True) if fd >= 0 else None
+             for fd in fds]
     _serve(links[0], links[1], links[2])  # type: ignore[arg-type]
     for link in links:
         if link is not None:
-            link.send(None)
-            link._sender.join(5)
+            link.close()
 
 
 if __name__ == "__main__":
