@@ -221,3 +221,23 @@ def test_replicas_of_a_stage_on_devices_of_their_own(monkeypatch):
                 np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
         for name, value in plain.weights().items():
             np.testing.assert_allclose(piped.weights()[name], value, rtol=2e-5, atol=1e-6)
+
+
+def test_a_pipelined_step_that_cannot_fit_is_refused_naming_its_stash(monkeypatch):
+    from popart_kit.backends.xla import memory
+
+    sess, feed = session(3, 2, True, True, bps=1, acc=5)
+    parts = sess._backend.pipeline.memory_parts()
+    # stage 0 holds the most micro-batches between forward and backward: 2(K-1) + 1
+    assert [sess._backend.pipeline.in_flight(s) for s in range(3)] == [5, 3, 0]
+    assert parts[0]["stashed activations"] > parts[1]["stashed activations"] > 0
+    recomputed, _ = session(3, 2, True, True, bps=1, acc=5, recompute="standard")
+    assert (recomputed._backend.pipeline.memory_parts()[0]["stashed activations"]
+            < parts[0]["stashed activations"])
+    need = sum(sum(p.values()) for p in parts)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (need // 2, "host RAM"))
+    with pytest.raises(pk.PopartKitError, match=r"needs about .*stashed activations.*Fix: run "
+                                                r"fewer micro-batches.*recomputation") as err:
+        sess.run(feed)
+    assert "K-memory" in str(err.value)
+    assert not sess._backend.pipeline.trace  # nothing ran

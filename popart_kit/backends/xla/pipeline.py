@@ -208,6 +208,14 @@ def executor_for(backend: Any, workers: str = "threads",
                             [devices[s * per:(s + 1) * per] for s in range(k)]), ""
 
 
+def _nbytes(shape: Any) -> int:
+    """Bytes of an array (or a ShapeDtypeStruct, or a (shape, dtype) pair)."""
+    if isinstance(shape, tuple):
+        dims, dtype = shape
+        return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return int(np.prod(shape.shape, dtype=np.int64)) * np.dtype(shape.dtype).itemsize
+
+
 def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
@@ -282,6 +290,7 @@ class PipelineExecutor:
         self.processes: Any = None  # StageProcesses, with pipeline_workers="processes"
         self._keeping = self._kept()
         self._held: tuple[Any, Any] | None = None  # (weights, optimizer state) workers hold
+        self._checked = False  # the memory check
 
     @property
     def placement(self) -> dict[tuple[int, int], Any]:
@@ -306,7 +315,10 @@ class PipelineExecutor:
         return NamedSharding(self._meshes[s], spec)
 
     def start(self) -> None:
-        """Start the stages' worker processes, if they run in processes (else nothing)."""
+        """Check the step fits, then start the stages' worker processes if they run in
+        processes (the stage programs compile as they first run)."""
+        if not self._checked:
+            self.check_memory()
         if self.processes is not None:
             self.processes.start()
 
@@ -428,6 +440,76 @@ class PipelineExecutor:
                                          for a in kept))
         return out
 
+    def in_flight(self, s: int) -> int:
+        """The most micro-batches stage ``s`` holds between their forward and backward."""
+        held = most = 0
+        for a in self.schedule.for_stage(s):
+            held += (a.kind == "F") - (a.kind == "B")
+            most = max(most, held)
+        return most if self.training and s < len(self.stages) - 1 else 0
+
+    def memory_parts(self) -> list[dict[str, int]]:
+        """Each stage's memory by part, from shapes alone: weights (training: the committed
+        and the new ones, the gradient accumulator and the optimizer state), its stream
+        inputs, its stashed activations (in-flight micro-batches x what one keeps) and the
+        anchors it keeps; with worker processes, also each worker's copy of the model."""
+        b = self.backend
+        kept, summed = self._keeping
+        stash = (self.stash_bytes()["recomputed" if self.recompute else "stashed"] + [0]
+                 if self.training else [0] * len(self.stages))
+        shapes = self._host_streams_shapes()
+        every = set(b.trained) if self.training else set()
+        found = b._shapes(b.io.inputs, [t for st in self.stages for t in st.anchors])
+        out = []
+        for s, st in enumerate(self.stages):
+            weights = sum(int(b.graph.weights[k].nbytes) for k in st.weights)
+            parts = {"weights": weights * (2 if self.training else 1),
+                     "stream inputs": sum(_nbytes(shapes[k]) for k in st.streams),
+                     "stashed activations": self.in_flight(s) * stash[s],
+                     "anchors kept": sum(
+                         (len(kept[t]) + (t in summed)) * self.replicas
+                         * _nbytes(found[t]) for t in st.anchors)}
+            if self.training:
+                trained = self._trained(st)
+                state = jax.eval_shape(lambda st_=st, tr=trained: _select(
+                    b._opt_state, set(tr), every))
+                parts["optimizer state and gradients"] = sum(
+                    int(b.graph.weights[k].nbytes) for k in trained) + sum(
+                    _nbytes(a) for a in jax.tree.leaves(state))
+            if self.processes is not None:
+                parts["the worker's copy of the model"] = 2 * sum(
+                    int(w.nbytes) for w in b.graph.weights.values())
+            out.append(parts)
+        return out
+
+    def check_memory(self) -> None:
+        """Refuse (K-memory) a step whose stages cannot fit their devices, before anything is
+        allocated for it; on CPU every stage counts against the host's RAM."""
+        from .memory import check_fits
+
+        per_stage = self.memory_parts()
+        fix = (f"run fewer micro-batches per step (batches_per_step="
+               f"{self.backend.config.batches_per_step}), keep fewer anchors (Final or Sum "
+               f"instead of All)" + ("" if self.recompute or not self.training else
+                                     ", or recompute each stage's forward in its backward "
+                                     "(pipeline.recomputation='standard')") + ".")
+        on_host = self.processes is not None or self.devices[0][0].platform == "cpu"
+        if on_host:
+            total: dict[str, int] = {}
+            for parts in per_stage:
+                for k, v in parts.items():
+                    total[k] = total.get(k, 0) + v
+            detail = {f"stage {s} {k}": v for s, parts in enumerate(per_stage)
+                      for k, v in parts.items()}
+            check_fits("pipelined step", total, jax.devices("cpu")[0], fix, detail)
+            self.backend.memory = total
+        else:
+            for s, parts in enumerate(per_stage):
+                check_fits(f"pipeline stage {s}", parts, self.devices[s][0], fix)
+            self.backend.memory = {f"stage {s} {k}": v for s, parts in enumerate(per_stage)
+                                   for k, v in parts.items()}
+        self._checked = True
+
     def _host_streams_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
         return dict(self.backend._inputs)
 
@@ -452,6 +534,7 @@ class PipelineExecutor:
     # -- a run ----------------------------------------------------------------------------
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.start()
         host = self.backend._host_inputs(inputs)
         ctx = self._in_processes(host) if self.processes is not None else self._here(host)
         self.trace = sorted(ctx["trace"], key=lambda e: e[2])
