@@ -155,6 +155,8 @@ def main() -> None:
     for k in args.stages:
         piped, feed, m, depth = session(k, True, args.training, args, args.workers)
         plain, _, _, _ = session(k, False, args.training, args)
+        if piped._backend.pipeline.processes is not None:
+            piped._backend.pipeline.processes.threads = 1  # one thread per device
         piped.prepare()  # start the stage workers
         times = interleaved(args.repeat, plain=lambda p=plain, f=feed: p.run(f),
                             piped=lambda p=piped, f=feed: p.run(f))

@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 import weakref
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -162,8 +163,11 @@ class StageProcesses:
             return
         pairs = [_socket_pair() for _ in range(self.stages)]  # session <-> stage
         chain = [_socket_pair() for _ in range(self.stages - 1)]  # stage s <-> s + 1
+        # the workers import this very package, wherever it was imported from
+        home = str(Path(__file__).resolve().parents[3])
+        path = os.pathsep.join([home, *filter(None, [os.environ.get("PYTHONPATH")])])
         env = dict(os.environ, PJRT_NPROC=str(self.threads), NPROC=str(self.threads),
-                   JAX_PLATFORMS="cpu")
+                   JAX_PLATFORMS="cpu", PYTHONPATH=path)
         env.pop("JAX_NUM_CPU_DEVICES", None)
         try:
             for s in range(self.stages):
