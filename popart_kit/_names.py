@@ -26,6 +26,9 @@ PARTIALS = {"float": "float", "half": "half"}
 #: PopART's reserved prefix of gradient tensors (popart.reservedGradientPrefix()): anchoring
 #: GRADIENT_PREFIX + name returns the gradient of the loss with respect to ``name``.
 GRADIENT_PREFIX = "Gradient___"
+#: PopART's reserved prefix of restored tensors (popart.reservedRestoredPrefix()): a pipelined
+#: training stage's stashed activation as its backward reads it back, equal to the forward's.
+RESTORED_PREFIX = "Restored___"
 
 # PopART enum class behind each table, for the contract tests and error messages.
 POPART_ENUM = {

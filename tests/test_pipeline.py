@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 
 import popart_kit as pk
@@ -241,3 +242,59 @@ def test_a_pipelined_step_that_cannot_fit_is_refused_naming_its_stash(monkeypatc
         sess.run(feed)
     assert "K-memory" in str(err.value)
     assert not sess._backend.pipeline.trace  # nothing ran
+
+
+def test_gradient_and_weight_anchors_are_computed_by_the_stages():
+    """Gradients of an input, a weight, an activation sent on, one kept inside its stage and
+    the loss, and a weight's value, as the unpipelined run gives them, micro-batch by
+    micro-batch and replica by replica."""
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b)
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [MICRO, WIDTH]), debugContext="x")
+    rng = np.random.default_rng(7)
+    with pb.stage(0):
+        w0 = b.addInitializedInputTensor(rng.standard_normal((WIDTH, WIDTH)).astype("f4"), "w0")
+        inner = b.aiOnnx.matmul([x, w0])
+        h = b.aiOnnx.tanh([inner])
+    with pb.stage(1):
+        w1 = b.addInitializedInputTensor(rng.standard_normal((WIDTH, 3)).astype("f4"), "w1")
+        loss = b.aiOnnx.reducesumsquare([b.aiOnnx.matmul([h, w1])], keepdims=0)
+    anchors = {loss: "All", w0: "All", **{"Gradient___" + t: "All"
+                                          for t in (x, w0, inner, h, w1, loss)}}
+    out = {}
+    for pipelined in (True, False):
+        cfg = pk.SessionConfig(mode="training", batches_per_step=2, accumulation={"factor": 3},
+                               replication={"local_factor": 2}, ipus_per_replica=2,
+                               pipeline={"enabled": pipelined}, device={"target": "offline"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pk.PopartKitWarning)
+            sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss, anchors=anchors,
+                                      optimizer=pk.SGD(learning_rate=LR), backend="xla")
+        assert (sess.schedule is not None) == pipelined
+        feed = {x: np.random.default_rng(3).standard_normal(sess.io.input_shape(x))
+                .astype(np.float32)}
+        out[pipelined] = sess.run(feed)
+    assert out[True].keys() == out[False].keys() == set(anchors)
+    for name, want in out[False].items():
+        np.testing.assert_allclose(out[True][name], want, rtol=2e-5, atol=1e-5, err_msg=name)
+    assert np.abs(out[True]["Gradient___" + inner]).max() > 0
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_restored_activations_equal_the_forward_ones(pipelined, monkeypatch):
+    """PopART's Restored___ anchor: a stashed activation as the backward reads it back (also
+    when too few devices make the session run unpipelined)."""
+    if not pipelined:
+        monkeypatch.setattr(pipeline.jax, "devices", lambda *a: pipeline.jax.local_devices()[:1])
+    model, x, y, loss, _ = mlp(2)
+    h = next(n.output[0] for n in onnx.load_from_string(model).graph.node if n.op_type == "Tanh")
+    cfg = pk.SessionConfig(mode="training", batches_per_step=1, accumulation={"factor": 3},
+                           ipus_per_replica=2, pipeline={"enabled": True},
+                           device={"target": "offline"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pk.PopartKitWarning)
+        sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(LR), backend="xla",
+                                  anchors={h: "All", "Restored___" + h: "All"})
+    assert (sess.schedule is not None) == pipelined
+    out = sess.run(sess.io.allocate_inputs("random"))
+    np.testing.assert_array_equal(out["Restored___" + h], out[h])

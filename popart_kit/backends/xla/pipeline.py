@@ -67,6 +67,7 @@ import onnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..._names import GRADIENT_PREFIX
 from ...errors import ConfigError
 from ...layout import PIPELINE_STAGE, VIRTUAL_GRAPH
 from ...schedule import Action, PipelineSchedule, measured_bubble
@@ -94,7 +95,8 @@ class Stage:
     streams: tuple[str, ...]    # graph inputs it reads
     weights: tuple[str, ...]
     sends: tuple[str, ...]      # to the stage after
-    anchors: tuple[str, ...]    # anchored tensors it computes
+    anchors: tuple[str, ...]    # anchored tensors it computes (or weights it owns)
+    probes: tuple[str, ...] = ()  # tensors whose gradients its backward returns (anchors)
 
 
 def _node_stage(node: onnx.NodeProto, key: str) -> int | None:
@@ -104,8 +106,9 @@ def _node_stage(node: onnx.NodeProto, key: str) -> int | None:
     return None
 
 
-def split(backend: Any, wanted: list[str]) -> list[Stage] | str:
-    """The backend's graph as one program per stage, or why it cannot be split."""
+def split(backend: Any, wanted: list[str], gradients: list[str] = ()) -> list[Stage] | str:
+    """The backend's graph as one program per stage, or why it cannot be split. ``wanted``:
+    tensors whose values are anchored; ``gradients``: those whose gradients are."""
     model, graph = backend.model, backend.graph
     key = (PIPELINE_STAGE if any(_node_stage(n, PIPELINE_STAGE) is not None
                                  for n in model.graph.node) else VIRTUAL_GRAPH)
@@ -132,10 +135,18 @@ def split(backend: Any, wanted: list[str]) -> list[Stage] | str:
     for t in wanted:
         if t in producer_stage:
             needed_by[t] = max(needed_by.get(t, -1), producer_stage[t])
+    owner: dict[str, int] = {}  # a weight's or stream input's one reading stage
     for w in graph.weights:
         users = {s for s in range(count) if w in reads[s]}
         if len(users) > 1:
             return f"weight {w!r} is read by stages {sorted(users)}"
+        owner.update((w, s) for s in users)
+    for t in gradients:
+        users = {s for s in range(count) if t in reads[s]}
+        if t in graph.inputs and len(users) > 1:
+            return (f"the gradient of input {t!r} is anchored and stages {sorted(users)} read "
+                    f"it")
+        owner.update((t, s) for s in users if t in graph.inputs)
     shapes = backend._shapes(backend.io.inputs, [t for t in producer_stage])
     stages, carried = [], ()
     for s in range(count):
@@ -154,13 +165,17 @@ def split(backend: Any, wanted: list[str]) -> list[Stage] | str:
                            np.dtype(jax.dtypes.canonicalize_dtype(io[i].dtype))))
                       for i in streams)
         part = graph.part(made, inputs)
-        anchors = tuple(t for t in wanted if t in made)
+        anchors = tuple(t for t in wanted if t in made or owner.get(t) == s and t in
+                        graph.weights)
+        probes = tuple(t for t in gradients if t in made or owner.get(t) == s)
         stages.append(Stage(s, part, carried, streams, tuple(sorted(part.weights)), sends,
-                            anchors))
+                            anchors, probes))
         carried = sends
-    unplaced = [t for t in wanted if t not in producer_stage and t not in graph.inputs]
+    unplaced = [t for t in wanted if t not in producer_stage and t not in graph.inputs
+                and t not in owner]
+    unplaced += [t for t in gradients if t not in producer_stage and t not in owner]
     if unplaced:
-        return f"anchor(s) {unplaced} are weights or constants, not computed by a stage"
+        return f"anchor(s) on {unplaced} are constants or unread, not computed by a stage"
     return stages
 
 
@@ -173,16 +188,16 @@ def executor_for(backend: Any, workers: str = "threads",
     if not config.pipeline.enabled:
         return None, ""
     training = hasattr(backend, "loss")
-    if training and getattr(backend, "gradient_anchors", None):
-        return None, "gradient anchors are not computed by the pipelined executor"
     if config.pipeline.recomputation == "norm_only":
         raise ConfigError("pipeline.recomputation='norm_only' recomputes normalisations "
                           "inside a stage, which has no meaning on the xla backend (XLA fuses "
                           "them already). Fix: use 'none', or 'standard' to recompute each "
                           "stage's forward in its backward.", rule="K-xla-recompute")
-    wanted = list(dict.fromkeys([*(backend._anchor_tensor(a) for a in backend.anchors),
+    gradients = getattr(backend, "gradient_anchors", {})
+    wanted = list(dict.fromkeys([*(backend._anchor_tensor(a) for a in backend.anchors
+                                   if a not in gradients),
                                  *([backend.loss] if training else [])]))
-    stages = split(backend, wanted)
+    stages = split(backend, wanted, list(dict.fromkeys(gradients.values())))
     if isinstance(stages, str):
         return None, stages
     if training and backend.loss not in stages[-1].anchors:
@@ -214,6 +229,11 @@ def _nbytes(shape: Any) -> int:
         dims, dtype = shape
         return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
     return int(np.prod(shape.shape, dtype=np.int64)) * np.dtype(shape.dtype).itemsize
+
+
+def _gradients(probed: Mapping[str, Any]) -> dict[str, Any]:
+    """Gradients by their anchors' names."""
+    return {GRADIENT_PREFIX + t: g for t, g in probed.items()}
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -330,18 +350,32 @@ class PipelineExecutor:
     # -- one stage's programs -------------------------------------------------------------
 
     def _forward(self, st: Stage, w: Any, recv: Any, streams: Any, m: Any,
-                 fresh: Any = None) -> tuple[dict, dict]:
+                 fresh: Any = None, probes: Any = None) -> tuple[dict, dict]:
+        """Stage ``st`` on micro-batch ``m`` for every replica: what it sends on, and its
+        anchors. ``probes``: zero offsets, per replica, whose gradients are gradient anchors."""
         io = self.backend.io.inputs
         x = {k: jax.lax.dynamic_index_in_dim(v, m, 0, keepdims=False) for k, v in streams.items()}
         per = {k: v for k, v in x.items() if not io[k].broadcast}
         fixed = {k: v for k, v in x.items() if io[k].broadcast}
-        wanted = [*st.sends, *st.anchors]
+        owned = [t for t in st.anchors if t in st.graph.weights]  # anchored weights
+        wanted = [*st.sends, *(t for t in st.anchors if t not in owned)]
 
-        def one(r: Any, xr: Any) -> Any:
-            return st.graph.evaluate(w, {**r, **xr, **fixed}, wanted, fresh=fresh)
+        def one(r: Any, xr: Any, pr: Any) -> Any:
+            return st.graph.evaluate(w, {**r, **xr, **fixed}, wanted, offsets=pr or None,
+                                     fresh=fresh)
 
-        out = vmap(one, self.replicas, (0, 0))(recv, per)
+        out = vmap(one, self.replicas, (0, 0, 0))(recv, per, probes or {})
+        out.update((t, jnp.broadcast_to(jnp.asarray(w[t] if t in w else
+                                                    st.graph.weights[t]),
+                                        (self.replicas, *np.shape(st.graph.weights[t]))))
+                   for t in owned)
         return {k: out[k] for k in st.sends}, {k: out[k] for k in st.anchors}
+
+    def _probes(self, st: Stage) -> dict[str, jax.Array]:
+        """Zeros shaped as stage ``st``'s gradient anchors, one per replica."""
+        specs = {t: self.backend.io.anchors[GRADIENT_PREFIX + t][0] for t in st.probes}
+        return {t: jnp.zeros((self.replicas, *spec.shape), spec.dtype)
+                for t, spec in specs.items()}
 
     def _trained(self, st: Stage) -> list[str]:
         return [w for w in st.weights if w in self.backend.trained]
@@ -360,39 +394,41 @@ class PipelineExecutor:
 
         def stash(w: Any, r: Any, x: Any, m: Any) -> Any:
             t, rest = split_w(w)
-            carry, vjp, aux = jax.vjp(lambda tw, rr: self._forward(st, {**rest, **tw}, rr, x, m),
-                                      t, r, has_aux=True)
+            carry, vjp, aux = jax.vjp(
+                lambda tw, rr, pr: self._forward(st, {**rest, **tw}, rr, x, m, probes=pr),
+                t, r, self._probes(st), has_aux=True)
             return carry, aux, vjp
 
         def back(vjp: Any, g: Any, acc: Any) -> Any:
-            gw, gr = vjp(g)
-            return _add(acc, gw), gr
+            gw, gr, gp = vjp(g)
+            return _add(acc, gw), gr, gp
 
         def back_again(w_then: Any, w_now: Any, r: Any, x: Any, m: Any, g: Any, acc: Any) -> Any:
             """The backward from the stashed inputs and weight version: with accumulation a
             recomputation; without, differentiated at the current weights (module docs)."""
             t_then, rest = split_w(w_then)
             if self.accumulate:
-                def f(tw: Any, rr: Any) -> Any:
-                    return self._forward(st, {**rest, **tw}, rr, x, m)[0]
+                def f(tw: Any, rr: Any, pr: Any) -> Any:
+                    return self._forward(st, {**rest, **tw}, rr, x, m, probes=pr)[0]
                 primal = t_then
             else:
-                def f(tw: Any, rr: Any) -> Any:
-                    return self._forward(st, w_then, rr, x, m, fresh=tw)[0]
+                def f(tw: Any, rr: Any, pr: Any) -> Any:
+                    return self._forward(st, w_then, rr, x, m, fresh=tw, probes=pr)[0]
                 primal = split_w(w_now)[0]
-            _, vjp = jax.vjp(f, primal, r)
-            gw, gr = vjp(g)
-            return _add(acc, gw), gr
+            _, vjp = jax.vjp(f, primal, r, self._probes(st))
+            gw, gr, gp = vjp(g)
+            return _add(acc, gw), gr, gp
 
         def loss_stage(w: Any, r: Any, x: Any, m: Any, hyper: Any, acc: Any) -> Any:
             t, rest = split_w(w)
 
-            def loss(tw: Any, rr: Any) -> Any:
-                _, aux = self._forward(st, {**rest, **tw}, rr, x, m)
+            def loss(tw: Any, rr: Any, pr: Any) -> Any:
+                _, aux = self._forward(st, {**rest, **tw}, rr, x, m, probes=pr)
                 return jnp.sum(aux[self.backend.loss]) * hyper.get("loss_scaling", 1.0), aux
 
-            (gw, gr), aux = jax.grad(loss, argnums=(0, 1), has_aux=True)(t, r)
-            return _add(acc, gw), gr, aux
+            (gw, gr, gp), aux = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(
+                t, r, self._probes(st))
+            return _add(acc, gw), gr, {**aux, **_gradients(gp)}
 
         def apply(w: Any, state: Any, acc: Any, hyper: Any) -> Any:
             config = self.backend.config
@@ -459,7 +495,9 @@ class PipelineExecutor:
                  if self.training else [0] * len(self.stages))
         shapes = self._host_streams_shapes()
         every = set(b.trained) if self.training else set()
-        found = b._shapes(b.io.inputs, [t for st in self.stages for t in st.anchors])
+        found = {t: b.io.anchors[a][0] for a in b.anchors for t in [self._key(a)]}
+        if self.training:
+            found[b.loss] = b._shapes(b.io.inputs, [b.loss])[b.loss]
         out = []
         for s, st in enumerate(self.stages):
             weights = sum(int(b.graph.weights[k].nbytes) for k in st.weights)
@@ -467,8 +505,8 @@ class PipelineExecutor:
                      "stream inputs": sum(_nbytes(shapes[k]) for k in st.streams),
                      "stashed activations": self.in_flight(s) * stash[s],
                      "anchors kept": sum(
-                         (len(kept[t]) + (t in summed)) * self.replicas
-                         * _nbytes(found[t]) for t in st.anchors)}
+                         (len(kept[t]) + (t in summed)) * self.replicas * _nbytes(found[t])
+                         for t in [*st.anchors, *(GRADIENT_PREFIX + p for p in st.probes)])}
             if self.training:
                 trained = self._trained(st)
                 state = jax.eval_shape(lambda st_=st, tr=trained: _select(
@@ -641,7 +679,7 @@ class PipelineExecutor:
             w = ctx["weights"][s]
             if not self.training:
                 carry, aux = p["forward"](w, recv, x, np.int32(m))
-            elif last:
+            elif last:  # its aux has the stage's gradient anchors too
                 ctx["accs"][s], grad, aux = p["loss"](w, recv, x, np.int32(m), ctx["hyper"][s],
                                                       ctx["accs"][s])
                 carry = {}
@@ -662,10 +700,11 @@ class PipelineExecutor:
             g, stashed = got
             if isinstance(stashed, tuple):
                 w_then, recv = stashed
-                ctx["accs"][s], grad = p["again"](w_then, ctx["weights"][s], recv, x,
-                                                  np.int32(m), g, ctx["accs"][s])
+                ctx["accs"][s], grad, probed = p["again"](w_then, ctx["weights"][s], recv, x,
+                                                          np.int32(m), g, ctx["accs"][s])
             else:
-                ctx["accs"][s], grad = p["back"](stashed, g, ctx["accs"][s])
+                ctx["accs"][s], grad, probed = p["back"](stashed, g, ctx["accs"][s])
+            self._keep(ctx, m, _gradients(probed))
             if s:
                 board.put(("B", s, m), grad)
             return grad
@@ -675,16 +714,24 @@ class PipelineExecutor:
             ctx["weights"][s], ctx["states"][s], ctx["accs"][s], ctx["hyper"][s])
         return ctx["weights"][s]
 
+    def _key(self, anchor: str) -> str:
+        """What a run keeps for ``anchor``: its tensor's values, or (a gradient anchor) the
+        gradients under the anchor's own name."""
+        return anchor if anchor.startswith(GRADIENT_PREFIX) else self.backend._anchor_tensor(
+            anchor)
+
     def _kept(self) -> tuple[dict[str, frozenset[int]], set[str]]:
-        """For each tensor a stage computes for the anchors: the micro-batches a run keeps
-        (those its anchors return, and every loss for the finiteness check), and which tensors
-        are summed instead (Sum anchors), so a run holds no more than it returns."""
+        """For each value the stages compute for the anchors (a tensor, or a gradient anchor):
+        the micro-batches a run keeps (those its anchors return, and every loss for the
+        finiteness check), and which are summed instead (Sum anchors), so a run holds no more
+        than it returns."""
         b, config = self.backend, self.backend.config
-        computed = {t for st in self.stages for t in st.anchors}
+        computed = {t for st in self.stages for t in st.anchors} | {
+            GRADIENT_PREFIX + t for st in self.stages for t in st.probes}
         kept: dict[str, set[int]] = {t: set() for t in computed}
         summed: set[str] = set()
         for name, art in b.anchors.items():
-            t = b._anchor_tensor(name)
+            t = self._key(name)
             if t not in computed:
                 continue
             if art.name == "Sum":
@@ -708,7 +755,7 @@ class PipelineExecutor:
         b, config = self.backend, self.backend.config
         values = b.placement.fetch({"kept": ctx["outputs"], "sums": ctx["sums"]})
         kept, sums = values["kept"], values["sums"]
-        for t in {b._anchor_tensor(a) for a in b.anchors} - set(self._keeping[0]):
+        for t in {self._key(a) for a in b.anchors} - set(self._keeping[0]):
             v = host[t]  # a stream input anchored: [micro-batches, (replicas,) ...]
             v = v if v.ndim > len(b.io.inputs[t].shape) + 1 else np.repeat(
                 v[:, None], self.replicas, axis=1)
@@ -725,7 +772,7 @@ class PipelineExecutor:
                 b._refuse_non_finite(flags)
         out = {}
         for name, art in b.anchors.items():
-            t = b._anchor_tensor(name)
+            t = self._key(name)
             if art.name == "Sum":
                 v = np.asarray(sums[t])
             else:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..._names import GRADIENT_PREFIX
+from ..._names import GRADIENT_PREFIX, RESTORED_PREFIX
 from ..._problems import Problem, raise_errors
 from ...errors import DataError
 from ...shapes import AnchorReturnType
@@ -112,6 +112,8 @@ class XlaTrainingBackend(XlaBackend):
     def _anchor_tensor(self, anchor: str) -> str:
         if anchor.startswith(GRADIENT_PREFIX):
             return anchor[len(GRADIENT_PREFIX):]
+        if anchor.startswith(RESTORED_PREFIX) and self.config.pipeline.enabled:
+            return anchor[len(RESTORED_PREFIX):]  # the stash holds the forward's values
         return anchor
 
     @property
@@ -172,7 +174,7 @@ class XlaTrainingBackend(XlaBackend):
         weights, _ = state
         start = update * self.config.accumulation.factor + index * self.chunk
         gradients = self.gradient_anchors
-        wanted = list(dict.fromkeys([self.loss, *(a for a in self.anchors
+        wanted = list(dict.fromkeys([self.loss, *(self._anchor_tensor(a) for a in self.anchors
                                                  if a not in gradients)]))
         lead = (self.chunk, self.placement.per_device)
         probes = {tensor: jnp.zeros(lead + self.io.anchors[anchor][0].shape,
@@ -190,8 +192,9 @@ class XlaTrainingBackend(XlaBackend):
         (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
             {n: weights[n] for n in self.trained}, probes)
         values = {**values, **{a: probed[t] for a, t in gradients.items()}}
-        out = {"buffers": self.buffers.write(work["buffers"],
-                                             {n: values[n] for n in self.anchors}, start),
+        out = {"buffers": self.buffers.write(work["buffers"], {
+            n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors},
+            start),
                "losses_finite": work["losses_finite"]}
         if self.check_finite:
             finite = jnp.isfinite(values[self.loss]).all()
