@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
+from popart_kit.backends.xla import stage_processes
 from popart_kit.backends.xla.stage_processes import StageWorkerError, WorkerDevice
 from tests.test_pipeline import LR, mlp, session, simulate_continuous
+
+
+@pytest.fixture(autouse=True)
+def bounded(monkeypatch):
+    """A worker that hangs fails its test within two minutes rather than ten."""
+    monkeypatch.setattr(stage_processes, "SILENCE_SECONDS", 120.0)
+    monkeypatch.setattr(stage_processes, "START_SECONDS", 120.0)
 
 
 def assert_same(a: dict, b: dict) -> None:
