@@ -4,7 +4,8 @@ A compute-bound model with balanced stages (each stage: ``--layers`` matmuls of 
 [D, D] and tanh) runs pipelined over K stages and unpipelined, in the same process so the
 ratios share the machine's load. One thread per device: the unpipelined run is this process
 with one CPU device and one XLA thread (``PJRT_NPROC=1``), and the pipelined run puts each stage
-in a worker process of its own with one thread (``pipeline_workers="processes"``). XLA:CPU gives
+in a worker process of its own with one thread (``pipeline_workers="processes"``), kept to a
+core of its own where there are enough. XLA:CPU gives
 all virtual devices of one process a single shared thread pool, so stages on virtual devices of
 one process (``--workers threads``) cannot compute side by side, whatever the cores.
 
@@ -97,7 +98,7 @@ def stage_copy(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     sys.stdin.readline()  # start together
     times = []
-    for _ in range(args.micro_batches * args.repeat):
+    for _ in range(args.micro_batches * 2):
         start = time.perf_counter()
         stage(ws, x).block_until_ready()
         times.append(time.perf_counter() - start)
@@ -123,7 +124,11 @@ def concurrency(k: int, args: argparse.Namespace) -> float:
             p.stdin.flush()
         return float(np.median([float(p.communicate()[0]) for p in procs]))
 
-    return k * together(1) / together(k)
+    alone, all_k = [], []
+    for _ in range(3):  # interleaved: the machine's load changes as it goes
+        alone.append(together(1))
+        all_k.append(together(k))
+    return k * float(np.median(alone)) / float(np.median(all_k))
 
 
 def main() -> None:
@@ -155,8 +160,9 @@ def main() -> None:
     for k in args.stages:
         piped, feed, m, depth = session(k, True, args.training, args, args.workers)
         plain, _, _, _ = session(k, False, args.training, args)
-        if piped._backend.pipeline.processes is not None:
-            piped._backend.pipeline.processes.threads = 1  # one thread per device
+        workers = piped._backend.pipeline.processes
+        if workers is not None:
+            workers.threads, workers.pin = 1, True  # one thread per device, a core each
         piped.prepare()  # start the stage workers
         times = interleaved(args.repeat, plain=lambda p=plain, f=feed: p.run(f),
                             piped=lambda p=piped, f=feed: p.run(f))

@@ -134,6 +134,14 @@ class _Link:
     def poll(self, seconds: float) -> bool:
         return bool(select.select([self.sock], [], [], seconds)[0])
 
+    def _cores(self, s: int) -> list[int] | None:
+        """The cores stage ``s``'s worker keeps to, when every stage can have cores of its
+        own (else None: the system places them)."""
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.pin or self.threads * self.stages > len(cores):
+            return None
+        return cores[s * self.threads:(s + 1) * self.threads]
+
     def close(self) -> None:
         if self._out is not None:
             self._out.put(_CLOSE)
@@ -145,12 +153,15 @@ _CLOSE = object()
 
 
 class StageProcesses:
-    """K worker processes, one per stage, started once and reused by every run."""
+    """K worker processes, one per stage, started once and reused by every run. ``threads``:
+    XLA threads per worker; ``pin``: keep each worker to cores of its own where the cores
+    suffice (set both before the workers start)."""
 
     def __init__(self, spec: Callable[[], dict[str, Any]], stages: int,
                  threads: int | None = None) -> None:
         self.spec, self.stages = spec, stages
         self.threads = threads if threads is not None else default_threads(stages)
+        self.pin = False
         self._procs: list[subprocess.Popen[bytes]] = []
         self._links: list[_Link] = []
         self.devices: list[WorkerDevice] = []
@@ -183,9 +194,17 @@ class StageProcesses:
         self._links.extend(_Link(p[0]) for p in pairs)
         spec = self.spec()
         for s, link in enumerate(self._links):
-            link.send(("init", dict(spec, stage=s)))
+            link.send(("init", dict(spec, stage=s, cores=self._cores(s))))
         self.devices = [WorkerDevice(s, p.pid, *self._answer(s, START_SECONDS, "start"))
                         for s, p in enumerate(self._procs)]
+
+    def _cores(self, s: int) -> list[int] | None:
+        """The cores stage ``s``'s worker keeps to, when every stage can have cores of its
+        own (else None: the system places them)."""
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.pin or self.threads * self.stages > len(cores):
+            return None
+        return cores[s * self.threads:(s + 1) * self.threads]
 
     def close(self) -> None:
         """Stop the workers (the next run starts new ones)."""
@@ -354,6 +373,8 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
     warnings.simplefilter("ignore")  # the session's process has said it all already
     kind, spec = main.recv()
     s = spec["stage"]
+    if spec.get("cores"):
+        os.sched_setaffinity(0, spec["cores"])
     try:
         executor = _backend(spec).pipeline
         device = jax.devices()[0]
