@@ -13,7 +13,7 @@ import pytest
 import popart_kit as pk
 from popart_kit.backends.xla import stage_processes
 from popart_kit.backends.xla.stage_processes import StageWorkerError, WorkerDevice
-from tests.test_pipeline import LR, mlp, session, simulate_continuous
+from pipeline_models import LR, mlp, session, simulate_continuous
 
 
 @pytest.fixture(autouse=True)
