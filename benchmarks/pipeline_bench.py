@@ -170,8 +170,7 @@ def main() -> None:
         piped.run(feed)
         measured = piped._backend.pipeline.measured_bubble
         piped_bubble = piped.schedule.bubble_fraction
-        if piped._backend.pipeline.processes is not None:
-            piped._backend.pipeline.processes.close()  # before measuring the machine
+        piped.close()  # its workers stop before the machine is measured
         passes = m * k  # the unit of work is one stage pass
         planned = passes / max(m + depth - 1, passes / min(k, cores))
         parallel = concurrency(k, args)

@@ -97,6 +97,20 @@ class _Session:
         """Compile (and, on an IPU, load) the program; ``run`` does it when needed."""
         self._backend.prepare()
 
+    def close(self) -> None:
+        """Stop what the session runs outside this process (a pipelined xla session's stage
+        worker processes) now rather than when it is collected; a later run starts them
+        again. ``with`` a session closes it at the end of the block."""
+        close = getattr(self._backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One step: canonical host arrays in (checked first), anchors out."""
         if not isinstance(inputs, Mapping):

@@ -66,6 +66,20 @@ def test_stale_weights_in_processes_follow_popart():
         np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-5)
 
 
+def test_closing_a_session_stops_its_workers_and_a_later_run_restarts_them():
+    with session(2, 1, False, True, bps=3, workers="processes")[0] as sess:
+        pids = {d.pid for d in sess.placement.values()}
+    for pid in pids:  # gone: waited for by close
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    feed = sess.io.allocate_inputs("random")
+    again = sess.run(feed)
+    assert pids.isdisjoint({d.pid for d in sess.placement.values()})
+    here, _ = session(2, 1, False, True, bps=3)
+    assert_same(again, here.run(feed))
+    sess.close()
+
+
 def test_a_dead_worker_stops_the_run_names_its_stage_and_changes_nothing():
     sess, feed = session(2, 1, True, True, bps=1, acc=3, workers="processes")
     sess.run(feed)

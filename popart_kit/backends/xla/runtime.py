@@ -280,6 +280,11 @@ class XlaBackend:
         check_fits(type(self).__name__, parts, self.placement.devices[0], fix, detail)
         self.memory = parts
 
+    def close(self) -> None:
+        """Stop the pipeline's stage worker processes, if any (a later run starts them)."""
+        if self.pipeline is not None and self.pipeline.processes is not None:
+            self.pipeline.processes.close()
+
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
         with self._lock:
