@@ -514,8 +514,8 @@ class PipelineExecutor:
                 parts["optimizer state and gradients"] = sum(
                     int(b.graph.weights[k].nbytes) for k in trained) + sum(
                     _nbytes(a) for a in jax.tree.leaves(state))
-            if self.processes is not None:
-                parts["the worker's copy of the model"] = 2 * sum(
+            if self.processes is not None:  # while it starts; then only its stage's part
+                parts["the worker's copy of the model"] = 3 * sum(
                     int(w.nbytes) for w in b.graph.weights.values())
             out.append(parts)
         return out

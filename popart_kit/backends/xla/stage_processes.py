@@ -377,6 +377,8 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
         os.sched_setaffinity(0, spec["cores"])
     try:
         executor = _backend(spec).pipeline
+        del spec  # the model's bytes
+        _keep_only(executor, s)
         device = jax.devices()[0]
         main.send(("ok", (str(device), int(os.environ.get("PJRT_NPROC", "0")))))
     except BaseException as error:  # noqa: BLE001 - reported to the session's process
@@ -414,6 +416,22 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
                 trace=ctx["trace"])))
         except BaseException as error:  # noqa: BLE001 - reported to the session's process
             main.send(("error", (_portable(error), traceback.format_exc())))
+
+
+def _keep_only(executor: Any, s: int) -> None:
+    """Drop what the rebuilt backend holds of the other stages (their weights, the model's
+    initializers, the device copies): a worker keeps its own stage's part of the model. The
+    session's process sends weights and optimizer state with each run that needs them."""
+    import gc
+
+    backend, mine = executor.backend, set(executor.stages[s].weights)
+    for i, stage in enumerate(executor.stages):
+        if i != s:
+            stage.graph.weights = {}  # never evaluated here
+    backend.graph.weights = {k: v for k, v in backend.graph.weights.items() if k in mine}
+    backend._weights, backend._opt_state = {}, None
+    del backend.model.graph.initializer[:]
+    gc.collect()
 
 
 def _at(s: int, value: Any) -> list[Any]:
