@@ -18,6 +18,11 @@
             ├── InvalidModel      (also a ModelError)
             └── InvalidData       (also a DataError)
 
+Two errors come while a run goes rather than from checking its input, and leave the session as
+it was: ``NonFiniteUpdate`` (a DataError: a loss or update was NaN or Inf) and
+``StageWorkerError`` (also a RuntimeError: a pipeline stage's worker process failed, died or
+fell silent).
+
 Messages quote values through :func:`short`, so an error about a huge or deeply nested value stays
 small and quick to print.
 """

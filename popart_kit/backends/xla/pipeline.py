@@ -72,6 +72,7 @@ from ...errors import ConfigError
 from ...layout import PIPELINE_STAGE, VIRTUAL_GRAPH
 from ...schedule import Action, PipelineSchedule, measured_bubble
 from .lowering import LoweredGraph
+from .memory import check_fits
 from .placement import REPLICA, replica_devices
 from .steps import vmap
 
@@ -210,7 +211,7 @@ def executor_for(backend: Any, workers: str = "threads",
         from .stage_processes import StageProcesses
 
         executor = PipelineExecutor(backend, stages, [])
-        executor.processes = StageProcesses(spec, len(stages))
+        executor.processes = StageProcesses(spec, k)
         return executor, ""
     if len(devices) < k:
         return None, (f"{k} stages need {k} devices and this host has "
@@ -223,12 +224,9 @@ def executor_for(backend: Any, workers: str = "threads",
                             [devices[s * per:(s + 1) * per] for s in range(k)]), ""
 
 
-def _nbytes(shape: Any) -> int:
-    """Bytes of an array (or a ShapeDtypeStruct, or a (shape, dtype) pair)."""
-    if isinstance(shape, tuple):
-        dims, dtype = shape
-        return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return int(np.prod(shape.shape, dtype=np.int64)) * np.dtype(shape.dtype).itemsize
+def _nbytes(array: Any) -> int:
+    """Bytes of an array, or of anything with its shape and dtype."""
+    return int(np.prod(array.shape, dtype=np.int64)) * np.dtype(array.dtype).itemsize
 
 
 def _gradients(probed: Mapping[str, Any]) -> dict[str, Any]:
@@ -509,8 +507,7 @@ class PipelineExecutor:
                          for t in [*st.anchors, *(GRADIENT_PREFIX + p for p in st.probes)])}
             if self.training:
                 trained = self._trained(st)
-                state = jax.eval_shape(lambda st_=st, tr=trained: _select(
-                    b._opt_state, set(tr), every))
+                state = _select(b._opt_state, set(trained), every)
                 parts["optimizer state and gradients"] = sum(
                     int(b.graph.weights[k].nbytes) for k in trained) + sum(
                     _nbytes(a) for a in jax.tree.leaves(state))
@@ -523,8 +520,6 @@ class PipelineExecutor:
     def check_memory(self) -> None:
         """Refuse (K-memory) a step whose stages cannot fit their devices, before anything is
         allocated for it; on CPU every stage counts against the host's RAM."""
-        from .memory import check_fits
-
         per_stage = self.memory_parts()
         fix = (f"run fewer micro-batches per step (batches_per_step="
                f"{self.backend.config.batches_per_step}), keep fewer anchors (Final or Sum "

@@ -4,9 +4,9 @@ XLA:CPU gives every virtual CPU device of a process one shared pool of intra-op 
 program spreads its operations over the whole pool: two stages on two virtual devices of one
 process share the same threads, and an unpipelined run already uses every core. A stage can
 only have threads of its own in a process of its own. With ``pipeline_workers="processes"``
-each stage runs in a worker process with one CPU device and ``threads_per_stage`` threads
-(``PJRT_NPROC``; default: the cores divided among the stages, at least 1), as an IPU runs its
-stage with its own tiles.
+each stage runs in a worker process with one CPU device and :attr:`StageProcesses.threads`
+threads (``PJRT_NPROC``; default: the cores divided among the stages, at least 1), as an IPU
+runs its stage with its own tiles.
 
 **Protocol.** The session's process starts the K workers once (``python -m`` this module, so
 nothing of the user's script is imported again) with socket pairs to it and between
@@ -38,8 +38,8 @@ import threading
 import time
 import traceback
 import weakref
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import PopartKitError
@@ -54,8 +54,9 @@ LINK_BUFFER_BYTES = 8 << 20
 SILENCE_SECONDS = 600.0
 
 
-class StageWorkerError(PopartKitError):
-    """A pipeline stage's worker process failed, died or fell silent; nothing was applied."""
+class StageWorkerError(PopartKitError, RuntimeError):
+    """A pipeline stage's worker process failed, died or fell silent; nothing was applied
+    (also a RuntimeError: the input was fine, the run was not)."""
 
     rule = "K-stage-worker"
 
@@ -133,14 +134,6 @@ class _Link:
 
     def poll(self, seconds: float) -> bool:
         return bool(select.select([self.sock], [], [], seconds)[0])
-
-    def _cores(self, s: int) -> list[int] | None:
-        """The cores stage ``s``'s worker keeps to, when every stage can have cores of its
-        own (else None: the system places them)."""
-        cores = sorted(os.sched_getaffinity(0))
-        if not self.pin or self.threads * self.stages > len(cores):
-            return None
-        return cores[s * self.threads:(s + 1) * self.threads]
 
     def close(self) -> None:
         if self._out is not None:
@@ -248,7 +241,8 @@ class StageProcesses:
         try:
             kind, value = link.recv()
         except (EOFError, OSError):
-            proc.wait(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
             self.close()
             raise StageWorkerError(
                 f"pipeline stage {s}'s worker process (pid {proc.pid}) closed its link during "
