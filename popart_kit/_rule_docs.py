@@ -199,7 +199,7 @@ RULES: dict[str, tuple[str, str]] = {
     "K-nonfinite-update": ("A training run met NaN/Inf: nothing is applied.", _KIT),
     "K-memory": ("The step fits the device's memory.", "Poplar: out of memory."),
     "K-pipeline-workers": ("pipeline_workers is 'threads' or 'processes'; processes run one "
-                           "process's stages, not several instances.", _KIT),
+                           "process's stages on CPU, not several instances or GPUs.", _KIT),
     "K-stage-worker": ("A stage's worker process that fails, dies or falls silent stops the "
                        "run with its stage named; nothing is applied.", _KIT),
     "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "

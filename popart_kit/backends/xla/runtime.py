@@ -126,6 +126,12 @@ class XlaBackend:
                                f"one of {', '.join(map(repr, WORKERS))}.",
                                "use 'threads' (stages on this process's devices) or "
                                "'processes' (a worker process per stage).", "K-pipeline-workers"))
+        elif workers == "processes" and jax.devices()[0].platform != "cpu":
+            out.append(Problem(("pipeline_workers",), f"pipeline_workers='processes' runs "
+                               f"each stage in a CPU worker process, and this session runs on "
+                               f"{jax.devices()[0].platform.upper()} devices.",
+                               "use pipeline_workers='threads': each stage gets devices of its "
+                               "own there.", "K-pipeline-workers"))
         elif workers == "processes" and self.config.replication.instances > 1:
             out.append(Problem(("pipeline_workers",), f"pipeline_workers='processes' with "
                                f"{self.config.replication.instances} instances: stage workers "
