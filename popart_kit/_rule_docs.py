@@ -259,6 +259,20 @@ RULES: dict[str, tuple[str, str]] = {
     "K-model-duplicate-producer": ("One producer per tensor.", "onnx."),
     "K-model-attribute-type": ("Attributes of the schema's types.", "onnx."),
     "K-model-attribute-unknown": ("Attributes the schema has.", "onnx."),
+    "P9": ("Without stage annotations, data flows to the same or a later IPU (PopART takes "
+           "each op's IPU as its stage).", "PopART: a consumer on an earlier stage than its "
+           "producer is an error."),
+    "P10": ("Data flows to the same or a later pipeline stage.", "PopART: a consumer on an "
+            "earlier stage than its producer is an error."),
+    "P11": ("Stages and IPUs are numbered from 0.", "PopART: 'Op has bad pipeline stage'."),
+    "P20": ("When pipelining, every op reading a weight sits on one IPU.",
+            "PopART: 'Can not copy variable tensor ... between virtual graphs when "
+            "pipelining'."),
+    "P21": ("When pipelining, every op reading a graph input sits on one IPU.",
+            "PopART: 'For pipelining, stream tensors can only be streamed directly onto a "
+            "single IPU'."),
+    "P-attribute-type": ("__pipeline_stage and __ipu_number are INT attributes.",
+                         "PopART reads them as integers."),
     "K-layout-stages": ("Pipeline stage count in the model and the config agree.", _KIT),
     "K-layout-unstaged": ("A pipelined model has stage annotations.", "V4."),
     "K-one-stage": ("Pipelining a one-stage model (warning).", _KIT),
@@ -276,8 +290,9 @@ def markdown() -> str:
     lines = ["# Rules reference", "",
              "Every rule id popart_kit reports, what it checks, and the PopART behaviour it "
              "mirrors. `V<n>` rules are checks PopART itself makes (late: when it builds the IR "
-             "or lowers it); `K-...` rules are popart_kit's own. Errors and warnings end with "
-             "`(see docs/rules.md#<id>)`. Generated from `popart_kit/_rule_docs.py` "
+             "or lowers it), `P<n>` rules the pipeline layout rules PopART enforces on a "
+             "model's stage and IPU annotations; `K-...` rules are popart_kit's own. Errors "
+             "and warnings end with `(see docs/rules.md#<id>)`. Generated from `popart_kit/_rule_docs.py` "
              "(`python -m popart_kit._rule_docs > docs/rules.md`).", "",
              "| id | checks | PopART |", "|---|---|---|"]
     for rule, (checks, popart) in RULES.items():

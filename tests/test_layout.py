@@ -203,6 +203,22 @@ def test_a_weight_read_on_two_ipus_is_refused_when_pipelining():
     layout.check(config(ipus_per_replica=2))  # not pipelined: PopART copies it
 
 
+def test_an_input_read_on_two_ipus_is_refused_when_pipelining():
+    b = pk.Builder()
+    pb = pk.PipelineBuilder(b)
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    with pb.stage(0):
+        t = b.aiOnnx.relu([x])
+    with pb.stage(1):
+        b.aiOnnx.add([t, x])
+    layout = pb.layout()
+    cfg = config(ipus_per_replica=2, accumulation={"factor": 4}, pipeline={"enabled": True})
+    with pytest.raises(ValidationError, match=rf"input '{x}' is read on IPUs \[0, 1\].*"
+                                              r"P21"):
+        layout.check(cfg)
+    layout.check(config(ipus_per_replica=2))  # not pipelined: PopART streams it to both
+
+
 def test_unreadable_models_are_refused_with_a_reason(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00 not a protobuf \xff")

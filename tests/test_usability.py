@@ -378,7 +378,8 @@ def test_rules_reference_lists_every_rule_and_is_generated() -> None:
     root = Path(pk.__file__).parent
     used = set()
     for path in root.rglob("*.py"):
-        used |= set(re.findall(r"[\"'](V\d+|K-[a-z0-9-]+)[\"']", path.read_text()))
+        used |= set(re.findall(r"[\"'](V\d+|P\d+|P-[a-z-]+|K-[a-z0-9-]+)[\"']",
+                               path.read_text()))
     used |= {"K-sgd-finite", "K-adam-finite", "K-adam-beta1", "K-adam-beta2"}  # built names
     assert used - set(RULES) == set(), "rules without an entry in _rule_docs.RULES"
     docs = root.parent / "docs"
