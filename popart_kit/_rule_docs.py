@@ -292,8 +292,9 @@ def markdown() -> str:
              "mirrors. `V<n>` rules are checks PopART itself makes (late: when it builds the IR "
              "or lowers it), `P<n>` rules the pipeline layout rules PopART enforces on a "
              "model's stage and IPU annotations; `K-...` rules are popart_kit's own. Errors "
-             "and warnings end with `(see docs/rules.md#<id>)`. Generated from `popart_kit/_rule_docs.py` "
-             "(`python -m popart_kit._rule_docs > docs/rules.md`).", "",
+             "and warnings end with `(see docs/rules.md#<id>)`. Generated from "
+             "`popart_kit/_rule_docs.py` (`python -m popart_kit._rule_docs > docs/rules.md`).",
+             "",
              "| id | checks | PopART |", "|---|---|---|"]
     for rule, (checks, popart) in RULES.items():
         lines.append(f'| <a id="{rule}"></a>`{rule}` | {checks} | {popart} |')
