@@ -268,9 +268,6 @@ RULES: dict[str, tuple[str, str]] = {
     "P20": ("When pipelining, every op reading a weight sits on one IPU.",
             "PopART: 'Can not copy variable tensor ... between virtual graphs when "
             "pipelining'."),
-    "P21": ("When pipelining, every op reading a graph input sits on one IPU.",
-            "PopART: 'For pipelining, stream tensors can only be streamed directly onto a "
-            "single IPU'."),
     "P-attribute-type": ("__pipeline_stage and __ipu_number are INT attributes.",
                          "PopART reads them as integers."),
     "K-layout-stages": ("Pipeline stage count in the model and the config agree.", _KIT),

@@ -103,11 +103,9 @@ def _merged_depth(ipus: Sequence[int]) -> int:
 class PipelineLayout:
     """Stages and IPUs of a model's ops; construction reports every rule the model breaks."""
 
-    def __init__(self, ops: Sequence[StagedOp], weights: Sequence[str] = (),
-                 streams: Sequence[str] = ()) -> None:
+    def __init__(self, ops: Sequence[StagedOp], weights: Sequence[str] = ()) -> None:
         self.ops = tuple(ops)
         self.weights = frozenset(weights)  # the model's initializers: PopART's variables
-        self.streams = frozenset(streams)  # its other graph inputs: PopART's stream tensors
         self.inferred = False
         raise_errors("PipelineLayout", self._model_problems())
 
@@ -123,8 +121,7 @@ class PipelineLayout:
                                 tuple(i for i in node.input if i), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH)))
-        weights = [t.name for t in proto.graph.initializer]
-        return cls(ops, weights, [i.name for i in proto.graph.input if i.name not in weights])
+        return cls(ops, [t.name for t in proto.graph.initializer])
 
     # -- the model's own rules ----------------------------------------------------------------
 
@@ -184,14 +181,13 @@ class PipelineLayout:
                 found.setdefault(stage, set()).add(op.ipu)
         return found
 
-    def _across_ipus(self, tensors: frozenset[str]) -> dict[str, set[int]]:
-        """Those of ``tensors`` that ops on more than one IPU read, with the IPUs."""
+    def _weights_across_ipus(self) -> dict[str, set[int]]:
         used: dict[str, set[int]] = {}
         for op in self.ops:
             for tensor in op.inputs:
-                if tensor in tensors and op.ipu is not None:
+                if tensor in self.weights and op.ipu is not None:
                     used.setdefault(tensor, set()).add(op.ipu)
-        return {t: ipus for t, ipus in used.items() if len(ipus) > 1}
+        return {w: ipus for w, ipus in used.items() if len(ipus) > 1}
 
     def _flow_problems(self) -> Iterator[Problem]:
         producer = {t: op for op in self.ops for t in op.outputs}
@@ -286,18 +282,12 @@ class PipelineLayout:
                                "annotate stages (PipelineBuilder), or disable pipelining.",
                                "K-layout-unstaged"))
             return out
-        for weight, ipus in sorted(self._across_ipus(self.weights).items()):
+        for weight, ipus in sorted(self._weights_across_ipus().items()):
             out.append(Problem(_IPU_LOC,
                                f"weight {weight!r} is used on IPUs {sorted(ipus)}: PopART cannot "
                                f"copy a variable between IPUs when pipelining.",
                                "keep every op that reads a weight on one IPU (its stages may "
                                "differ).", "P20"))
-        for stream, ipus in sorted(self._across_ipus(self.streams).items()):
-            out.append(Problem(_IPU_LOC,
-                               f"input {stream!r} is read on IPUs {sorted(ipus)}: when "
-                               f"pipelining, PopART streams an input onto one IPU only.",
-                               "read it on one IPU and pass what later stages need on from "
-                               "there (an Identity on the first IPU that reads it).", "P21"))
         if pipe.stages is not None and pipe.stages != f:
             out.append(Problem("pipeline.stages",
                                f"pipeline.stages={pipe.stages} but the model has {f} forward "
