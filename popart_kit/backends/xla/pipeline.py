@@ -313,7 +313,7 @@ class PipelineExecutor:
     @property
     def placement(self) -> dict[tuple[int, int], Any]:
         """(replica, stage) -> device (a :class:`~.stage_processes.WorkerDevice` when the
-        stages run in worker processes)."""
+        stages run in worker processes, which this starts, after the memory check)."""
         self.start()
         if self.processes is not None:
             return {(r, s): d for s, d in enumerate(self.processes.devices)
@@ -572,7 +572,8 @@ class PipelineExecutor:
         ctx = self._in_processes(host) if self.processes is not None else self._here(host)
         self.trace = sorted(ctx["trace"], key=lambda e: e[2])
         out = self._finish(host, ctx)
-        self._held = (self.backend._weights, getattr(self.backend, "_opt_state", None))
+        if self.processes is not None:  # what the workers now hold is committed
+            self._held = (self.backend._weights, getattr(self.backend, "_opt_state", None))
         return out
 
     def _in_processes(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class XlaBackend:
         """What a stage worker process needs to rebuild this backend (stage_processes.py)."""
         return dict(model=self.model.SerializeToString(), config=self.config,
                     anchors=self.anchors, loss=getattr(self, "loss", None),
-                    optimizer=getattr(self, "optimizer", None), options={})
+                    optimizer=getattr(self, "optimizer", None))
 
     def _anchor_tensor(self, anchor: str) -> str:
         """The tensor whose shape and dtype an anchor has (itself, for inference)."""

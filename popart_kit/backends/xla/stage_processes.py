@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import PopartKitError
+from .pipeline import _Board
 
 __all__ = ["StageProcesses", "WorkerDevice", "default_threads"]
 
@@ -170,8 +171,8 @@ class StageProcesses:
         # the workers import this very package, wherever it was imported from
         home = str(Path(__file__).resolve().parents[3])
         path = os.pathsep.join([home, *filter(None, [os.environ.get("PYTHONPATH")])])
-        env = dict(os.environ, PJRT_NPROC=str(self.threads), NPROC=str(self.threads),
-                   JAX_PLATFORMS="cpu", PYTHONPATH=path)
+        env = dict(os.environ, PJRT_NPROC=str(self.threads), JAX_PLATFORMS="cpu",
+                   PYTHONPATH=path)
         env.pop("JAX_NUM_CPU_DEVICES", None)
         try:
             for s in range(self.stages):
@@ -284,16 +285,14 @@ def _stop(procs: list[subprocess.Popen[bytes]], links: list[_Link]) -> None:
 
 # -- the worker side ----------------------------------------------------------------------------
 
-class _PipeBoard:
+class _PipeBoard(_Board):
     """The threaded executor's board across processes: activations go to the next stage and
     gradients to the one before, and what arrives is received, unpickled and put on the device
     by a thread per link while the stage computes; stashes stay here."""
 
     def __init__(self, before: _Link | None, after: _Link | None) -> None:
+        super().__init__()
         self._before, self._after = before, after
-        self._here: dict[Any, Any] = {}
-        self._ready = threading.Condition()
-        self.failed: BaseException | None = None
 
     def listen(self, link: _Link | None, count: int) -> None:
         """Receive ``count`` values from ``link`` in a thread of its own."""
@@ -306,10 +305,7 @@ class _PipeBoard:
         try:
             for _ in range(count):
                 key, value = link.recv()
-                value = jax.device_put(value)
-                with self._ready:
-                    self._here[key] = value
-                    self._ready.notify_all()
+                super().put(key, jax.device_put(value))
         except BaseException as error:  # noqa: BLE001 - the stage's take raises it
             self.fail(error)
 
@@ -321,21 +317,7 @@ class _PipeBoard:
         elif key[0] == "B":
             self._before.send((key, jax.device_get(value)))  # type: ignore[union-attr]
         else:
-            with self._ready:
-                self._here[key] = value
-
-    def take(self, key: Any) -> Any:
-        with self._ready:
-            while key not in self._here:
-                if self.failed is not None:
-                    raise self.failed
-                self._ready.wait()
-            return self._here.pop(key)
-
-    def fail(self, error: BaseException) -> None:
-        with self._ready:
-            self.failed = error
-            self._ready.notify_all()
+            super().put(key, value)
 
 
 def _backend(spec: dict[str, Any]) -> Any:
@@ -350,13 +332,12 @@ def _backend(spec: dict[str, Any]) -> Any:
     import onnx
 
     model = onnx.load_from_string(spec["model"])
-    options = spec["options"]
     if spec["loss"] is not None:
         return XlaTrainingBackend(model, spec["config"], spec["anchors"], spec["loss"],
-                                  spec["optimizer"], **options)
+                                  spec["optimizer"])
     from .runtime import XlaBackend
 
-    return XlaBackend(model, spec["config"], spec["anchors"], **options)
+    return XlaBackend(model, spec["config"], spec["anchors"])
 
 
 def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
