@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._atomic import write_atomic
 from ._graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from ._onnx_ops import OpSignature, signatures
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
@@ -527,7 +528,8 @@ class Builder:
         return self._proto().SerializeToString()
 
     def saveModelProto(self, filename: str) -> None:
-        onnx.save(self._proto(), filename)
+        """Write the model to ``filename``, replacing any file there whole or not at all."""
+        write_atomic(filename, self._proto().SerializeToString())
 
     def _tensor_type(self, tensor_id: str) -> onnx.TypeProto.Tensor:
         if tensor_id not in self._types:

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from . import _config_files, _names
 from . import _popart_catalog as catalog
+from ._atomic import write_atomic
 from ._problems import Problem, emit_warnings, raise_errors
 from ._unknown_keys import split_unknown
 from .errors import ConfigError, InvalidConfig
@@ -488,7 +489,8 @@ class SessionConfig(_Model):
             raise InvalidConfig.wrap_titled(err, str(path)) from None
 
     def to_file(self, path: str | Path) -> Path:
-        """Write TOML, YAML or JSON (chosen by suffix); unset optional fields are left out."""
+        """Write TOML, YAML or JSON (chosen by suffix); unset optional fields are left out. The
+        file is replaced whole or not at all (:class:`~popart_kit.FileWriteError` otherwise)."""
         path = Path(path)
         fmt = _format_of(path)
         data = self.model_dump(mode="json", exclude_none=True)
@@ -502,8 +504,7 @@ class SessionConfig(_Model):
             text = yaml.safe_dump(data, sort_keys=False)
         else:
             text = json.dumps(data, indent=2) + "\n"
-        path.write_text(text, encoding="utf-8")
-        return path
+        return write_atomic(path, text)
 
 
 def _document_aliases(schema: dict[str, Any]) -> None:

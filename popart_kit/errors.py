@@ -12,6 +12,8 @@
         │   └── ModelTypeError    not a model at all (also a TypeError)
         ├── DataError             host data: arrays, samples, index ranges, values a cast changes
         │   └── DataTypeError     data of the wrong type (also a TypeError)
+        ├── FileWriteError        a file the kit could not write (also an OSError); the old
+        │                         file is left as it was
         └── Invalid               a list of violated rules, pydantic-style (also a pydantic
             │                     ``ValidationError``: ``.errors()``, ``type=popart_kit.<rule>``)
             ├── InvalidConfig     (also a ConfigError)
@@ -36,7 +38,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
            "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-           "InvalidData", "short", "clip"]
+           "InvalidData", "FileWriteError", "short", "clip"]
 
 
 class PopartKitError(ValueError):
@@ -77,6 +79,15 @@ class ModelTypeError(ModelError, TypeError):
 
 class DataTypeError(DataError, TypeError):
     """Host data of the wrong type (a list where an array belongs, a non-string name, ...)."""
+
+
+class FileWriteError(PopartKitError, OSError):
+    """A file the kit could not write (full disk, no permission, a directory in the way). Files
+    are replaced whole or not at all, so the previous file is still there, unchanged."""
+
+    def __init__(self, message: str, *, rule: str | None = None, errno: int | None = None) -> None:
+        super().__init__(message, rule=rule)
+        self.errno = errno
 
 
 class Invalid(PopartKitError, ValidationError):

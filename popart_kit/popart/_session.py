@@ -116,7 +116,19 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     return out
 
 
-def _flat_into(name: str, target: np.ndarray, values: np.ndarray, kind: str) -> None:
+def _flat_into(name: str, target: Any, values: np.ndarray, kind: str) -> None:
+    """Copy ``values`` into the user's ``target`` in place, refusing (as PopART does) a target
+    whose memory cannot take them as one flat block: a copy would be written and lost."""
+    if not isinstance(target, np.ndarray):
+        raise popart_exception(f"The {kind} array for tensor '{name}' is a "
+                               f"{type(target).__name__}; give a numpy array to write into.")
+    if not target.flags.c_contiguous:
+        raise popart_exception(f"Unable to use the numpy {kind} array for tensor '{name}' as it "
+                               f"is not c-contiguous (a data conversion here would write to a "
+                               f"copy). Fix: pass np.ascontiguousarray(array) and read it back.")
+    if not target.flags.writeable:
+        raise popart_exception(f"Unable to write the {kind} array for tensor '{name}': it is "
+                               f"read-only. Fix: pass a writeable array.")
     if target.size != values.size:
         raise popart_exception(f"Unexpected number of {kind} elements for Tensor {name}. "
                                f"Expected {values.size}, but received {target.size}.")
@@ -293,7 +305,7 @@ class _Session:
         for name, values in out.items():
             spec = io.anchors[name][0]
             for piece in values.reshape(-1, *spec.shape):
-                _flat_into(name, np.asarray(stepio.output_callback(name)), piece, "output")
+                _flat_into(name, stepio.output_callback(name), piece, "output")
                 stepio.output_complete_callback(name)
 
     # -- weights --------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..._atomic import write_atomic
+
 __all__ = ["REPORT", "TRACED_RUNS", "compiled", "run", "summary"]
 
 REPORT = "popart_kit_report.json"
@@ -44,7 +46,7 @@ def _state(backend: Any) -> dict[str, Any]:
 
 def _write(folder: Path, state: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / REPORT).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    write_atomic(folder / REPORT, json.dumps(state, indent=2) + "\n")
 
 
 def _cost(program: Any) -> dict[str, float]:
