@@ -1,4 +1,4 @@
-"""Host checks of integer inputs before a run: indices in range, int64 values that fit int32.
+"""Host checks of integer data before a run: indices in range, 64-bit values that fit 32 bits.
 
 Out-of-range indices do not fail on an accelerator: XLA clamps them and PopART reads whatever
 lies there, so a label of 7 for 3 classes gives a finite loss and a wrong update.
@@ -7,7 +7,9 @@ label of PopART's Nll (``ai.graphcore``) and of ONNX's NegativeLogLikelihoodLoss
 SoftmaxCrossEntropyLoss, the indices of Gather, GatherElements and
 ScatterElements - and the size they index (from shape inference), and refuses a run whose
 arrays hold values outside it, naming the tensor, the node and the offending values. The xla
-backend computes int64 as int32, so int64 values outside int32's range are refused too.
+backend computes int64 as int32 (uint64 as uint32), as PopART does on the device, so 64-bit
+values outside the 32-bit range are refused too - in inputs, in a model's weights and in weights
+written to a session (:func:`narrowing_problems`), where they would wrap silently.
 Pure: numpy and onnx only.
 """
 
@@ -23,9 +25,10 @@ import onnx
 from ._problems import Problem, raise_errors
 from .errors import InvalidData, clip, short
 
-__all__ = ["IndexChecks", "IndexRange"]
+__all__ = ["IndexChecks", "IndexRange", "narrowing_problems"]
 
-_INT32 = np.iinfo(np.int32)
+#: What a device computes each 64-bit integer type as.
+NARROWED = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
 _SHOW = 5  # offending values quoted
 _ONNX_CLASS_LOSSES = ("NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss")
 _INDEXING = ("Nll", "Gather", "GatherElements", "ScatterElements", *_ONNX_CLASS_LOSSES)
@@ -103,20 +106,8 @@ class IndexChecks:
         return cls(ranges)
 
     def problems(self, arrays: Mapping[str, Any]) -> list[Problem]:
-        """Every index out of range and every int64 value outside int32, in ``arrays``."""
-        out = []
-        for name, array in arrays.items():
-            if isinstance(array, np.ndarray) and array.dtype in (np.int64, np.uint64) and (
-                    array.size):
-                lo, hi = array.min(), array.max()
-                if lo < _INT32.min or hi > _INT32.max:
-                    bad = array[(array < _INT32.min) | (array > _INT32.max)]
-                    out.append(Problem(
-                        ("inputs", name),
-                        f"input {short(name)} holds {bad.size} {array.dtype} value(s) "
-                        f"outside int32's range ({_some(bad)}); the tensor is computed as "
-                        f"int32, where they would wrap.",
-                        f"keep values within {_INT32.min}..{_INT32.max}.", "K-int64-range"))
+        """Every index out of range and every 64-bit value outside 32 bits, in ``arrays``."""
+        out = narrowing_problems("inputs", arrays)
         for r in self.ranges:
             array = arrays.get(r.tensor)
             if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu" or not array.size:
@@ -142,6 +133,28 @@ class IndexChecks:
 
     def check(self, arrays: Mapping[str, Any]) -> None:
         raise_errors("run", self.problems(arrays), error=InvalidData)
+
+
+def narrowing_problems(kind: str, arrays: Mapping[str, Any]) -> list[Problem]:
+    """A problem for each int64 (uint64) array in ``arrays`` holding values outside int32's
+    (uint32's) range: the device computes it in 32 bits, where they would wrap. ``kind`` is
+    the location's first part and the message's noun ("inputs", "weights")."""
+    out = []
+    for name, array in arrays.items():
+        narrow = NARROWED.get(getattr(array, "dtype", None))
+        if narrow is None or not isinstance(array, np.ndarray) or not array.size:
+            continue
+        limits = np.iinfo(narrow)
+        if array.min() >= limits.min and array.max() <= limits.max:
+            continue
+        bad = array[(array < limits.min) | (array > limits.max)]
+        out.append(Problem(
+            (kind, name),
+            f"{kind.rstrip('s')} {short(name)} holds {bad.size} {array.dtype} value(s) outside "
+            f"{narrow}'s range ({_some(bad)}); the tensor is computed as {narrow}, where they "
+            f"would wrap.", f"keep values within {limits.min}..{limits.max}.", "K-int64-range",
+            involved={f"{kind}.{name}": f"{array.dtype}{list(array.shape)}"}))
+    return out
 
 
 def _some(values: np.ndarray) -> str:

@@ -245,11 +245,19 @@ RULES: dict[str, tuple[str, str]] = {
     "K-stepio-broadcast-batches": ("Broadcast inputs have no per-batch axis.", _KIT),
     "K-index-range": ("Index inputs (labels, Gather indices) within the size they index.",
                       "PopART/XLA read out of range silently."),
-    "K-int64-range": ("INT64 values fit INT32.", "PopART computes INT64 as INT32."),
+    "K-int64-range": ("INT64 (UINT64) values of inputs and weights fit INT32 (UINT32).",
+                      "PopART computes INT64 as INT32."),
     "K-double": ("No float64 data.", "PopART has no float64 on the IPU."),
     # -- models -----------------------------------------------------------------------------------
     "K-model-type": ("A model is a ModelProto, bytes or a path.", _KIT),
-    "K-model-file": ("The model file can be read.", _KIT),
+    "K-model-file": ("The model file is a regular file of at most 2 GiB (protobuf's limit), "
+                     "checked before reading, and can be read.", _KIT),
+    "K-model-external-data": ("External data is read only for a model given by its path, from "
+                              "its folder; a model given as bytes or a ModelProto has none.",
+                              "kit rule: onnx resolves it against the working directory"),
+    "K-file-write": ("A file the kit writes (config, model, checkpoint, report, results) is "
+                     "replaced whole or not at all; a failed write leaves the old file.",
+                     "kit rule: PopART writes its files in place"),
     "K-model-decode": ("The bytes are an ONNX model.", "onnx."),
     "K-model-onnx-checker": ("The model passes onnx.checker.", "PopART runs the checker."),
     "K-model-cycle": ("The graph has no cycle.", "onnx."),

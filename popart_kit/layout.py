@@ -13,6 +13,7 @@ numbers are.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,11 +35,20 @@ VIRTUAL_GRAPH = "__ipu_number"
 _NOT_OPS = frozenset({"Constant"})
 _SHOW = 4  # names listed in an error before "…"
 _STAGE_LOC, _IPU_LOC = f"model.{PIPELINE_STAGE}", f"model.{VIRTUAL_GRAPH}"
+#: The largest model read, file or bytes: protobuf's limit on one serialised message (2 GiB).
+#: Larger weights go in external data files beside the model.
+MAX_MODEL_BYTES = 2**31 - 1
 
 
 def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.ModelProto:
-    """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path."""
+    """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path.
+
+    Refuses, before reading anything: a path that is not a regular file (a device, a FIFO, a
+    directory) and more than :data:`MAX_MODEL_BYTES`. External data is read only for a model
+    loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
+    of it); a model given as bytes or a ModelProto has no folder, so external data is refused."""
     if isinstance(model, onnx.ModelProto):
+        _refuse_external_data(model, "this ModelProto")
         return model
     if not isinstance(model, bytes | bytearray | str | os.PathLike):
         raise ModelTypeError(f"expected an onnx.ModelProto, bytes or a path, got "
@@ -46,8 +56,14 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     where = "these bytes" if isinstance(model, bytes | bytearray) else short(os.fspath(model))
     try:
         if isinstance(model, bytes | bytearray):
-            return onnx.load_from_string(bytes(model))
+            _refuse_size(where, len(model))
+            proto = onnx.load_from_string(bytes(model))
+            _refuse_external_data(proto, where)
+            return proto
+        _refuse_special_file(where, os.fspath(model))
         return onnx.load(os.fspath(model))
+    except ModelError:
+        raise
     except DecodeError as err:
         raise ModelError(f"{where} is not an ONNX model ({err}).", rule="K-model-decode") from None
     except FileNotFoundError as err:
@@ -60,6 +76,50 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     except Exception as err:  # onnx's ValidationError for bad external data, OSError, ...
         raise ModelError(f"{where} cannot be loaded: {short(str(err), 300)}",
                          rule="K-model-file") from None
+
+
+def _refuse_size(where: str, size: int) -> None:
+    if size > MAX_MODEL_BYTES:
+        raise ModelError(f"{where}: {size} bytes, more than an ONNX model can hold "
+                         f"({MAX_MODEL_BYTES} bytes, protobuf's limit). Fix: save large weights "
+                         f"as external data beside the model file.", rule="K-model-file")
+
+
+def _refuse_special_file(where: str, path: str) -> None:
+    """A path must name a regular file of at most MAX_MODEL_BYTES (checked before reading)."""
+    info = os.stat(path)  # FileNotFoundError and others are reported by the caller
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelError(f"{where} is not a regular file (a device, FIFO or socket): a model "
+                         f"is read from a file. Fix: save the model to a file and give its "
+                         f"path.", rule="K-model-file")
+    _refuse_size(where, info.st_size)
+
+
+def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
+    """External data is resolved against a model's folder; bytes and protos have none."""
+    external = [t.name for t in _tensors(model.graph)
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        raise ModelError(
+            f"{where}: the data of {len(external)} tensor(s) ({short(external[:_SHOW])}) is "
+            f"kept in external files, but without a path there is no folder to read them "
+            f"from (the working directory is not trusted for it). Fix: give the model's path, "
+            f"or load it with onnx.load(path), which reads its external data.",
+            rule="K-model-external-data")
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in ``graph``: initializers and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                yield from _tensors(sub)
 
 
 @dataclass(frozen=True)

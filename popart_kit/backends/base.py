@@ -48,10 +48,12 @@ class TrainingBackend(Backend, Protocol):
 
 def check_weights(current: Mapping[str, np.ndarray], mapping: Mapping[str, Any]) -> None:
     """Refuse (one ValueError, every problem) weights a backend cannot take as they are:
-    unknown names, other shapes or dtypes - nothing is converted silently."""
+    unknown names, other shapes or dtypes, 64-bit integers outside the 32 bits the device
+    computes them in - nothing is converted silently."""
+    from .._index_check import narrowing_problems
     from .._problems import Problem, raise_errors
 
-    problems = []
+    problems, fitting = [], {}
     for name, value in mapping.items():
         if name not in current:
             problems.append(Problem(("weights", name), f"{name!r} is not a weight of the model.",
@@ -64,7 +66,9 @@ def check_weights(current: Mapping[str, np.ndarray], mapping: Mapping[str, Any])
                                     f"expected {old.dtype}{list(old.shape)}.",
                                     "write an array of the weight's shape and dtype.",
                                     "K-weight-shape"))
-    raise_errors("write_weights", problems)
+        else:
+            fitting[name] = value
+    raise_errors("write_weights", problems + narrowing_problems("weights", fitting))
 
 
 def _sdk_importable() -> bool:

@@ -20,8 +20,10 @@ import onnx
 from onnx import numpy_helper
 
 from .. import _names
+from .._atomic import write_atomic
 from ..config import SessionConfig
-from ..layout import PipelineLayout
+from ..errors import FileWriteError, ModelError, short
+from ..layout import PipelineLayout, load_model
 from ..session import InferenceSession as _KitInference
 from ..session import TrainingSession as _KitTraining
 from ._core import (
@@ -42,22 +44,22 @@ GRADIENT = RESERVED_PREFIXES["Gradient"]
 
 
 def _load(fnModel: Any) -> onnx.ModelProto:
-    if isinstance(fnModel, onnx.ModelProto):
-        return fnModel
-    if isinstance(fnModel, bytes):
-        return onnx.load_from_string(fnModel)
-    if isinstance(fnModel, str | os.PathLike):
-        if os.path.exists(fnModel):
-            return onnx.load(os.fspath(fnModel))
-        if isinstance(fnModel, str):
-            try:
-                return onnx.load_from_string(fnModel.encode("latin-1"))
-            except Exception:  # noqa: BLE001 - not a serialised model either
-                pass
-        raise popart_exception(f"Failed to load a ModelProto from {str(fnModel)[:80]!r}: not an "
-                               f"existing file nor a serialised model.")
-    raise TypeError(f"fnModel={fnModel!r}: give the bytes of builder.getModelProto(), a "
-                    f"path to an .onnx file or an onnx.ModelProto.")
+    """The model PopART's ``fnModel`` names: a ModelProto, its bytes, a path, or the bytes as
+    a str (as PopART's bindings take them); everything the kit's loader refuses is a
+    popart_exception."""
+    if isinstance(fnModel, str) and not os.path.exists(fnModel):
+        try:
+            fnModel = fnModel.encode("latin-1")
+        except UnicodeEncodeError:
+            raise popart_exception(f"Failed to load a ModelProto from {short(fnModel, 80)}: not "
+                                   f"an existing file nor a serialised model.") from None
+    if not isinstance(fnModel, onnx.ModelProto | bytes | str | os.PathLike):
+        raise TypeError(f"fnModel={short(fnModel)}: give the bytes of builder.getModelProto(), "
+                        f"a path to an .onnx file or an onnx.ModelProto.")
+    try:
+        return load_model(fnModel)
+    except ModelError as err:
+        raise popart_exception(f"Failed to load a ModelProto: {err}") from None
 
 
 def _device_ipus(device: DeviceInfo, replicas: int, model: onnx.ModelProto,
@@ -370,7 +372,10 @@ class _Session:
         proto = self._kit.model_proto()
         for name, array in self._optimizer_tensors().items():
             proto.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
-        onnx.save(proto, fn)
+        try:
+            write_atomic(fn, proto.SerializeToString())
+        except FileWriteError as err:
+            raise popart_exception(str(err)) from None
 
     # -- what the xla runtime does not have -----------------------------------------------------
 

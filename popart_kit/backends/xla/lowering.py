@@ -33,7 +33,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ...errors import ModelError, clip
+from ..._index_check import narrowing_problems
+from ..._problems import raise_errors
+from ...errors import InvalidModel, ModelError, clip
 from ...layout import load_model
 from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
 
@@ -354,6 +356,7 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     if problems:
         raise UnsupportedModel(problems)
     weights = {k: v for k, v in initializers.items() if k not in constants}
+    raise_errors("model", narrowing_problems("weights", weights), error=InvalidModel)
     return LoweredGraph(opset=opset,
                         inputs={k: v for k, v in inputs.items() if k not in constants},
                         weights=weights, constants=constants, known=known, outputs=outputs,
