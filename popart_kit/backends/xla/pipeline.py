@@ -20,6 +20,12 @@ follows. Gradients accumulate per stage on its devices; the replicas' gradients 
 inside each stage's vectorised backward, and the optimizer runs once per update per stage. A
 run keeps only the micro-batches its anchors return (Sum anchors are summed on the stage).
 
+**Atomic runs.** As unpipelined (``training.py``), a run's new weights and optimizer state
+replace the committed ones only once it has succeeded. No program donates the committed state
+(a stage's first update of a run reads it; later ones donate the state the run made), and a
+failure or KeyboardInterrupt stops every stage before the run raises, so a failed, refused or
+interrupted run leaves the session as it was.
+
 **Stashing and recomputation.** Without recomputation a forward keeps its stage's
 linearisation (JAX's residuals: PopART's stashed activations) for the backward. With
 ``pipeline.recomputation`` standard, recompute_all or pipeline, a forward keeps only its
@@ -280,8 +286,10 @@ class _Board:
             return self._values.pop(key)
 
     def fail(self, error: BaseException) -> None:
+        """Stop the run: every take raises from now on. The first failure is the one kept."""
         with self._ready:
-            self.failed = error
+            if self.failed is None:
+                self.failed = error
             self._ready.notify_all()
 
 
@@ -337,8 +345,8 @@ class PipelineExecutor:
         processes (the stage programs compile as they first run)."""
         if not self._checked:
             self.check_memory()
-        if self.processes is not None:
-            self.processes.start()
+        if self.processes is not None and self.processes.start():
+            self._held = None  # new workers: the next run sends them the committed state
 
     @property
     def measured_bubble(self) -> float:
@@ -443,7 +451,11 @@ class PipelineExecutor:
             programs["stash"] = jax.jit(stash)
             programs["back"] = jax.jit(back, donate_argnums=(2,))
             programs["again"] = jax.jit(back_again, donate_argnums=(6,))
-        programs["apply"] = jax.jit(apply, donate_argnums=(1, 2))
+        # the first update of a run reads the committed state (maybe the very arrays: a
+        # device_put to their own device does not copy), which a failed, refused or interrupted
+        # run must leave intact; later updates donate the state the run made
+        programs["apply"] = jax.jit(apply, donate_argnums=(2,))
+        programs["apply_again"] = jax.jit(apply, donate_argnums=(1, 2))
         return programs
 
     def programs(self, s: int) -> dict[str, Any]:
@@ -484,9 +496,10 @@ class PipelineExecutor:
 
     def memory_parts(self) -> list[dict[str, int]]:
         """Each stage's memory by part, from shapes alone: weights (training: the committed
-        and the new ones, the gradient accumulator and the optimizer state), its stream
-        inputs, its stashed activations (in-flight micro-batches x what one keeps) and the
-        anchors it keeps; with worker processes, also each worker's copy of the model."""
+        and the new ones, the gradient accumulator and the optimizer state, committed and new),
+        its stream inputs, its stashed activations (in-flight micro-batches x what one keeps)
+        and the anchors it keeps; with worker processes, also each worker's copy of the
+        model."""
         b = self.backend
         kept, summed = self._keeping
         stash = (self.stash_bytes()["recomputed" if self.recompute else "stashed"] + [0]
@@ -509,7 +522,7 @@ class PipelineExecutor:
                 trained = self._trained(st)
                 state = _select(b._opt_state, set(trained), every)
                 parts["optimizer state and gradients"] = sum(
-                    int(b.graph.weights[k].nbytes) for k in trained) + sum(
+                    int(b.graph.weights[k].nbytes) for k in trained) + 2 * sum(
                     _nbytes(a) for a in jax.tree.leaves(state))
             if self.processes is not None:  # while it starts; then only its stage's part
                 parts["the worker's copy of the model"] = 3 * sum(
@@ -621,23 +634,42 @@ class PipelineExecutor:
         for s in range(len(self.stages)):
             self.programs(s)
         if self.threads:
-            workers = [threading.Thread(target=self._worker, args=(s, ctx), daemon=True)
-                       for s in range(len(self.stages))]
-            for t in workers:
-                t.start()
-            for t in workers:
-                t.join()
-            if board.failed is not None:
-                raise board.failed
+            self._in_threads(ctx)
         else:
             for group in self.schedule.by_slot():
                 for action in group:
                     self._act(action, ctx, self._receive(action, ctx))
         return ctx
 
+    def _in_threads(self, ctx: dict) -> None:
+        """The stages' actions by a thread per stage. A failure in a stage, or an exception
+        (KeyboardInterrupt included) in this thread while it waits, stops every stage at its
+        next action, and this returns only once they have all stopped, then raises it: no
+        stage runs on after its run has ended."""
+        board = ctx["board"]
+        workers = [threading.Thread(target=self._worker, args=(s, ctx), daemon=True,
+                                    name=f"pipeline stage {s}")
+                   for s in range(len(self.stages))]
+        try:
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+        except BaseException as error:
+            board.fail(error)
+            for t in workers:
+                if t.ident is not None:  # started
+                    t.join()
+            raise
+        if board.failed is not None:
+            raise board.failed
+
     def _worker(self, s: int, ctx: dict) -> None:
+        """Stage ``s``'s actions in order, until they are done or the run has failed."""
         try:
             for action in self.schedule.for_stage(s):
+                if ctx["board"].failed is not None:
+                    return
                 got = self._receive(action, ctx)  # waiting for a neighbour is idle time
                 start = time.perf_counter()
                 done = self._act(action, ctx, got)
@@ -706,7 +738,9 @@ class PipelineExecutor:
             return grad
         if not self._trained(self.stages[s]):
             return None
-        ctx["weights"][s], ctx["states"][s], ctx["accs"][s] = p["apply"](
+        # m == 0: the stage's first update of the run, which reads the committed state
+        apply = p["apply" if m == 0 else "apply_again"]
+        ctx["weights"][s], ctx["states"][s], ctx["accs"][s] = apply(
             ctx["weights"][s], ctx["states"][s], ctx["accs"][s], ctx["hyper"][s])
         return ctx["weights"][s]
 

@@ -8,19 +8,22 @@ each stage runs in a worker process with one CPU device and :attr:`StageProcesse
 threads (``PJRT_NPROC``; default: the cores divided among the stages, at least 1), as an IPU
 runs its stage with its own tiles.
 
-**Protocol.** The session's process starts the K workers once (``python -m`` this module, so
-nothing of the user's script is imported again) with socket pairs to it and between
-neighbouring stages. Each worker rebuilds the same backend from the model and the session's
-arguments and keeps its stage's compiled programs. A run sends each worker its stage's stream
-inputs, committed weights, optimizer state and hyperparameters; the workers run the schedule's
-actions of their stage, sending activations forward and gradients backward (a sender thread per
-link, so a send never blocks a stage), and return their anchors, new weights and state and
-their trace. The session's process checks and commits as for threads, so a run stays atomic.
+**Protocol.** The session's process starts the K workers once (``python -P -m`` this module:
+nothing of the user's script is imported again, and neither the working directory nor a
+script's is on their ``sys.path``; they import this package from where the session's process
+did) with socket pairs to it and between neighbouring stages. Each worker rebuilds the same
+backend from the model and the session's arguments and keeps its stage's compiled programs. A
+run sends each worker its stage's stream inputs, committed weights, optimizer state and
+hyperparameters; the workers run the schedule's actions of their stage, sending activations
+forward and gradients backward (a sender thread per link, so a send never blocks a stage), and
+return their anchors, new weights and state and their trace. The session's process checks and
+commits as for threads, so a run stays atomic.
 
 **Failure.** A worker that fails reports its error; a worker that dies or falls silent past
 the deadline is named. Either way every worker is stopped (the next run starts new ones) and
 the run raises without changing the session, so a failed stage never leaves the others
-waiting.
+waiting. Workers ignore SIGINT: a terminal's Ctrl-C reaches the session's process, whose
+KeyboardInterrupt, in a run or while the workers start, stops them the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import pickle
 import queue
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -163,14 +167,27 @@ class StageProcesses:
 
     # -- lifetime ---------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Start the workers, unless they run; whether it started them (new workers hold no
+        weights yet). An exception (KeyboardInterrupt included) while they start stops them,
+        so the next start begins afresh."""
         if self._procs:
-            return
+            return False
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return True
+
+    def _start(self) -> None:
         pairs = [_socket_pair() for _ in range(self.stages)]  # session <-> stage
         chain = [_socket_pair() for _ in range(self.stages - 1)]  # stage s <-> s + 1
-        # the workers import this very package, wherever it was imported from
+        # the workers import this very package, wherever it was imported from; an empty
+        # PYTHONPATH entry would mean the working directory, which -P keeps off their path
         home = str(Path(__file__).resolve().parents[3])
-        path = os.pathsep.join([home, *filter(None, [os.environ.get("PYTHONPATH")])])
+        user = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        path = os.pathsep.join([home, *filter(None, user)])
         env = dict(os.environ, PJRT_NPROC=str(self.threads), JAX_PLATFORMS="cpu",
                    PYTHONPATH=path)
         env.pop("JAX_NUM_CPU_DEVICES", None)
@@ -180,7 +197,7 @@ class StageProcesses:
                        chain[s - 1][1].fileno() if s else -1,
                        chain[s][0].fileno() if s < self.stages - 1 else -1]
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", __name__, *map(str, fds)], env=env,
+                    [sys.executable, "-P", "-m", __name__, *map(str, fds)], env=env,
                     pass_fds=[f for f in fds if f >= 0], stdin=subprocess.DEVNULL))
         finally:
             for sock in [p[1] for p in pairs] + [end for c in chain for end in c]:
@@ -424,6 +441,7 @@ def _portable(error: BaseException) -> BaseException | None:
 
 
 def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session's process stops this one
     fds = [int(a) for a in argv]
     links = [_Link(socket.socket(fileno=fd), threaded=True) if fd >= 0 else None
              for fd in fds]

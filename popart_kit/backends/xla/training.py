@@ -281,6 +281,7 @@ class XlaTrainingBackend(XlaBackend):
         index = jax.ShapeDtypeStruct((), jnp.int32)
         work = jax.eval_shape(self._host_init)
         init = jax.jit(self._host_init).lower().compile()
+        # only the work is donated: the first update reads the committed state (atomic runs)
         chunk = jax.jit(self._host_chunk, donate_argnums=(1,)).lower(
             state, work, self._hyper, inputs, index, index).compile()
         update = jax.jit(self._host_update, donate_argnums=(1,)).lower(
