@@ -42,7 +42,7 @@ import numpy as np
 import onnxruntime as ort
 
 import popart_kit as pk
-from popart_kit.backends.xla import placement
+from popart_kit.backends.xla import compilation_cache, placement
 
 MICRO_BATCH = 32
 
@@ -283,7 +283,7 @@ def cache() -> None:
     with tempfile.TemporaryDirectory() as directory:
         times = {}
         for label, setting in (("off", "off"), ("first", directory), ("second", directory)):
-            env = {**os.environ, placement.CACHE_VARIABLE: setting}
+            env = {**os.environ, compilation_cache.CACHE_VARIABLE: setting}
             out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                                  text=True, check=True)
             times[label] = float(out.stdout.strip().splitlines()[-1])

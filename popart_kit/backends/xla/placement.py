@@ -21,9 +21,7 @@ device is real: replicas spread over as many as divide the replica count.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,53 +31,25 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...errors import ConfigError
+from .compilation_cache import CACHE_VARIABLE, use_compilation_cache
 
-__all__ = ["REPLICA", "PROCESS", "HOST_DEVICES", "Placement", "ensure_host_devices",
-           "replica_devices", "use_compilation_cache"]
+__all__ = ["REPLICA", "PROCESS", "HOST_DEVICES", "CACHE_VARIABLE", "Placement",
+           "ensure_host_devices", "replica_devices", "use_compilation_cache"]
 
 REPLICA = "replica"
 PROCESS = "process"
 #: At most this many CPU devices run a session's replicas (see the module docs).
 CPU_REPLICA_DEVICES = 1
 HOST_DEVICES = 8  # virtual CPU devices asked for when JAX has not started yet
-#: Environment variable: a directory for JAX's persistent compilation cache, or "off".
-CACHE_VARIABLE = "POPART_KIT_COMPILATION_CACHE"
 
 
 def ensure_host_devices(count: int = HOST_DEVICES) -> None:
     """Ask JAX for ``count`` CPU devices if it has not initialised yet (else do nothing); and
-    turn on the persistent compilation cache (see :func:`use_compilation_cache`)."""
+    turn on the persistent compilation cache (see :mod:`.compilation_cache`)."""
     use_compilation_cache()
     if not xla_bridge.backends_are_initialized():
         current = jax.config.jax_num_cpu_devices
         jax.config.update("jax_num_cpu_devices", max(count, current if current > 0 else 1))
-
-
-def use_compilation_cache() -> str | None:
-    """Keep compiled programs on disk so a second process skips compiling the same step.
-
-    The directory is ``$POPART_KIT_COMPILATION_CACHE``, else ``$XDG_CACHE_HOME/popart_kit/xla``
-    (``~/.cache/popart_kit/xla``); ``POPART_KIT_COMPILATION_CACHE=off`` turns it off, and a
-    cache directory the user gave JAX is left as it is. Returns the directory in use."""
-    current = jax.config.jax_compilation_cache_dir
-    if current:
-        return current
-    setting = os.environ.get(CACHE_VARIABLE, "")
-    if setting.lower() in ("off", "0", "false", "no"):
-        return None
-    if setting:
-        directory = Path(setting)
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        directory = Path(base) / "popart_kit" / "xla"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None  # a read-only home: compile every time rather than fail
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    # the kit's step programs compile in well under JAX's default threshold of one second
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return str(directory)
 
 
 def replica_devices(replicas: int, platform: str | None = None) -> list[jax.Device]:
