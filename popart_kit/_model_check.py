@@ -42,9 +42,23 @@ def _problem(loc: str, message: str, fix: str, rule: str) -> Problem:
     return Problem(("model", loc), message, fix, rule)
 
 
+#: Opset versions a model may import: onnx numbers them from 1, as C ints.
+_OPSET_VERSIONS = range(1, 2**31)
+
+
 def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """Each domain's imported version; versions out of range are left out (they are reported
+    by :func:`_opset_problems`)."""
     return {("" if o.domain == "ai.onnx" else o.domain): int(o.version)
-            for o in model.opset_import}
+            for o in model.opset_import if o.version in _OPSET_VERSIONS}
+
+
+def _opset_problems(model: onnx.ModelProto) -> list[Problem]:
+    return [_problem(f"opset_import.{clip(o.domain or 'ai.onnx', 60)}",
+                     f"the model imports opset version {o.version} of "
+                     f"{clip(o.domain or 'ai.onnx', 60)}; versions start at 1 and fit 32 bits.",
+                     "import the opset version the model was written for.", "K-model-opset")
+            for o in model.opset_import if o.version not in _OPSET_VERSIONS]
 
 
 def _schema(node: onnx.NodeProto, opsets: dict[str, int]) -> onnx.defs.OpSchema | None:
@@ -188,7 +202,7 @@ def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
 
 def model_problems(model: onnx.ModelProto) -> list[Problem]:
     """Every problem the kit finds in ``model``; the onnx checker's when the kit finds none."""
-    found = _graph_problems(model)
+    found = _opset_problems(model) + _graph_problems(model)
     return found or _checker_problems(model)
 
 

@@ -252,6 +252,7 @@ RULES: dict[str, tuple[str, str]] = {
     "K-model-type": ("A model is a ModelProto, bytes or a path.", _KIT),
     "K-model-file": ("The model file is a regular file of at most 2 GiB (protobuf's limit), "
                      "checked before reading, and can be read.", _KIT),
+    "K-model-opset": ("Imported opset versions are at least 1 and fit 32 bits.", "onnx."),
     "K-model-external-data": ("External data is read only for a model given by its path, from "
                               "its folder; a model given as bytes or a ModelProto has none.",
                               "kit rule: onnx resolves it against the working directory"),

@@ -25,6 +25,7 @@ from onnx import helper, numpy_helper
 from ._atomic import write_atomic
 from ._graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from ._onnx_ops import OpSignature, signatures
+from .errors import ModelError, ModelTypeError, short
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 
 __all__ = ["Builder", "BuilderError", "PipelineBuilder", "TensorInfo", "InputSettings",
@@ -133,6 +134,21 @@ class _Scope:
 
     def __exit__(self, *exc: object) -> None:
         self._builder._scopes[self._attribute].pop()
+
+
+def _debug_name(value: Any, what: str) -> str:
+    """``value`` as a debug context or name scope: text that encodes as UTF-8, as ONNX names
+    must; anything else is refused here, at the call, not when the model is serialised."""
+    if not isinstance(value, str):
+        raise ModelTypeError(f"{what} must be text, got {type(value).__name__} {short(value)}. "
+                             f"Fix: pass a name such as 'layer0'.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ModelError(f"{what} {short(value)} cannot name ONNX tensors or nodes: a lone "
+                         f"surrogate at position {err.start} is not UTF-8. Fix: pass text "
+                         f"without surrogates (decode bytes with errors='replace').") from None
+    return value
 
 
 def _count(value: Any) -> int:
@@ -390,6 +406,7 @@ class Builder:
                   out_type: onnx.TypeProto | None = None) -> list[str]:
         """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
         mistake fails here, naming the op."""
+        _debug_name(name, f"{op_type}: debugContext")
         unknown = [t for t in inputs if t not in self._types]
         if unknown:
             raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
@@ -459,7 +476,7 @@ class Builder:
         given = _overload("addInputTensor", args, kwargs, *_ADD_INPUT)
         info = given.get("tensorInfo") or TensorInfo(given["dataType"], given["shape"])
         settings = given.get("settings") if "tensorInfo" in given else None
-        tensor_id = self._next_id(given["debugContext"] or "input")
+        tensor_id = self._next_id(_debug_name(given["debugContext"], "debugContext") or "input")
         value = helper.make_tensor_value_info(tensor_id, _DTYPES[info.dataType()], info.shape())
         self._graph.input.append(value)
         self._types[tensor_id] = value.type
@@ -469,7 +486,7 @@ class Builder:
 
     def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
         array = np.require(initVal, requirements="C")
-        tensor_id = self._next_id(debugContext or "init_input")
+        tensor_id = self._next_id(_debug_name(debugContext, "debugContext") or "init_input")
         if array.dtype == np.float32:  # PopART stores FLOAT initializers in float_data
             tensor = helper.make_tensor(tensor_id, onnx.TensorProto.FLOAT, array.shape,
                                         array.reshape(-1))
@@ -493,6 +510,7 @@ class Builder:
     def reshape_const(self, aiOnnx: Any, args: Sequence[str], shape: Sequence[int],
                       debugContext: str = "") -> str:
         """PopART's helper: a Reshape of ``args[0]`` to ``shape`` through an INT64 constant."""
+        _debug_name(debugContext, "debugContext")
         new_shape = aiOnnx.constant(np.array(shape).astype(np.int64), debugContext + "_const")
         return aiOnnx.reshape([args[0], new_shape], debugContext)
 
@@ -595,8 +613,9 @@ class Builder:
                               _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH))
 
     def nameScope(self, name: str) -> _Scope:
-        """``with nameScope(name):`` prefixes the ids and node names created inside."""
-        return _Scope(self, "name", name)
+        """``with nameScope(name):`` prefixes the ids and node names created inside; refuses a
+        name that is not UTF-8 text (:func:`_debug_name`)."""
+        return _Scope(self, "name", _debug_name(name, "name scope"))
 
     def getNameScope(self, name: str = "") -> str:
         return "".join(f"{scope}{_DELIMITER}" for scope in self._scopes.get("name", ())) + name

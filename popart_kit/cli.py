@@ -25,6 +25,7 @@ from .config import SessionConfig
 __all__ = ["main"]
 
 REFUSED = 2  # exit code for input the kit refuses
+LISTED = 20  # problems listed at most; the title gives the count of the rest
 
 
 def _loc(error: dict) -> str:
@@ -32,8 +33,11 @@ def _loc(error: dict) -> str:
 
 
 def _problems(err: Console, title: str, rows: list[tuple[str, str]]) -> None:
-    # soft_wrap: one problem per line, whole, whatever the terminal width
-    err.print(problems_view(title, rows), soft_wrap=True)
+    """Print ``title`` and the first LISTED ``rows``, one problem per line, whole, whatever the
+    terminal width."""
+    if len(rows) > LISTED:
+        title = f"{title} (the first {LISTED} of {len(rows):,} problems)"
+    err.print(problems_view(title, rows[:LISTED]), soft_wrap=True)
 
 
 def _load(path: str, err: Console, as_json: bool = False) -> SessionConfig | None:
@@ -460,7 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except PopartKitError as exc:  # a refusal a command did not report itself
-        _problems(Console(stderr=True), "refused", [("(input)", clip(str(exc), 2000))])
+        if isinstance(exc, ValidationError):  # every problem, under the title naming the file
+            _report(Console(stderr=True), clip(exc.title, 2000), exc)
+        else:
+            _problems(Console(stderr=True), "refused", [("(input)", clip(str(exc), 2000))])
         return REFUSED
 
 

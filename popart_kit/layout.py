@@ -16,7 +16,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -59,9 +59,11 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
             _refuse_size(where, len(model))
             proto = onnx.load_from_string(bytes(model))
             _refuse_external_data(proto, where)
-            return proto
-        _refuse_special_file(where, os.fspath(model))
-        return onnx.load(os.fspath(model))
+        else:
+            _refuse_special_file(where, os.fspath(model))
+            proto = onnx.load(os.fspath(model))
+        _refuse_invalid_text(proto, where)
+        return proto
     except ModelError:
         raise
     except DecodeError as err:
@@ -108,6 +110,39 @@ def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
             f"from (the working directory is not trusted for it). Fix: give the model's path, "
             f"or load it with onnx.load(path), which reads its external data.",
             rule="K-model-external-data")
+
+
+def _refuse_invalid_text(model: onnx.ModelProto, where: str) -> None:
+    """ONNX's string fields are UTF-8; protobuf hands invalid ones over as bytes, which no
+    name check expects. Refused like any undecodable model (one pass over the fields)."""
+    found = _invalid_text(model)
+    if found:
+        raise ModelError(f"{where} is not an ONNX model: its field {found} is not UTF-8 text.",
+                         rule="K-model-decode")
+
+
+def _invalid_text(message: Any, path: str = "model") -> str | None:
+    """The path of the first string field of ``message`` that is not text (None: all are)."""
+    for field, value in message.ListFields():
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue  # numbers and bytes (tensor data, string tensors): nothing to decode
+        repeated = _is_repeated(field)
+        items = list(enumerate(value)) if repeated else [(None, value)]
+        for i, item in items:
+            here = f"{path}.{field.name}" + (f"[{i}]" if repeated else "")
+            if field.type == field.TYPE_STRING and isinstance(item, bytes):
+                return here
+            if field.type == field.TYPE_MESSAGE:
+                found = _invalid_text(item, here)
+                if found:
+                    return found
+    return None
+
+
+def _is_repeated(field: Any) -> bool:
+    """protobuf 5.29+ says ``is_repeated``; earlier versions only have ``label``."""
+    repeated = getattr(field, "is_repeated", None)
+    return repeated if repeated is not None else field.label == field.LABEL_REPEATED
 
 
 def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

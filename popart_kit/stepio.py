@@ -580,7 +580,13 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         self.samples_per_run = (cfg.batches_per_step * cfg.accumulation.factor
                                 * cfg.replication.global_replicas * self.micro_batch_size)
         self._factory = factory
-        self._samples = iter(dataset)
+        try:
+            self._samples = iter(dataset)
+        except TypeError:
+            raise DataTypeError(f"batches() takes an iterable of samples, got a "
+                                f"{type(dataset).__name__} ({short(dataset)}). Fix: pass a "
+                                f"list, generator or dataset that yields one sample at a time.",
+                                rule="K-stepio-sample") from None
         self.runs = 0
         self.dropped = 0
         self._done = False
@@ -639,7 +645,7 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
             try:
                 block = np.stack([np.asarray(s[name]) for s in samples])
             except ValueError:
-                shapes = sorted({np.shape(s[name]) for s in samples})
+                shapes = sorted({_shape_of(s[name]) for s in samples}, key=str)
                 raise DataError(f"input {name!r}: samples of different shapes {short(shapes)}, "
                                 f"expected {spec.shape[1:]}. Fix: yield one sample at a time, "
                                 f"each of shape S[1:].", rule="K-stepio-sample") from None
@@ -653,6 +659,14 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                 spec.shape, factory._bps, factory._accumulation,
                 factory.config.replication.global_replicas))
         return factory.shard(stacked)
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | str:
+    """``value``'s array shape, or "ragged" where its nested sequences differ in length."""
+    try:
+        return np.shape(value)
+    except ValueError:
+        return "ragged"
 
 
 def _cast_exactly(name: str, block: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -6,6 +6,7 @@ read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -269,10 +270,8 @@ def test_model_files_are_checked_before_they_are_read(tmp_path, make):
 def _unblock(fifo, after: float) -> None:
     """Open and close ``fifo`` for writing after a while, so a reader blocked on it ends."""
     time.sleep(after)
-    try:
+    with contextlib.suppress(OSError):  # no reader: nothing to unblock
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    except OSError:  # no reader: nothing to unblock
-        pass
 
 
 def test_the_cli_check_refuses_a_device_quickly():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla import compilation_cache, placement, steps
+from popart_kit.backends.xla import compilation_cache, steps
 from popart_kit.backends.xla.anchors import chunk_size
 from popart_kit.backends.xla.compilation_cache import MIN_SECONDS_VARIABLE
 from popart_kit.backends.xla.training import NonFiniteUpdate

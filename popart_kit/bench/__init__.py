@@ -19,21 +19,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, PopartKitError
+from ..errors import ConfigError, PopartKitError, short
 from ._machine import describe, load_average, machine_facts
+from ._models import MAX_LAYERS, MAX_MODEL_BYTES
 from ._plots import plot
 from ._results import COLUMNS, compare, efficiencies, load, table, write
 from ._timing import Stats, best_of, interleaved, stats
-from ._variants import AXES, Variant, from_spec, product
+from ._variants import AXES, MAX_VARIANTS, Variant, from_spec, product
 
 __all__ = ["sweep", "variants", "run", "Variant", "COLUMNS", "from_spec", "plot", "load",
            "compare", "table", "machine_facts", "describe", "interleaved", "best_of", "stats",
-           "Stats"]
+           "Stats", "MAX_VARIANTS", "MAX_MODEL_BYTES", "MAX_LAYERS", "MAX_REPEAT"]
+
+#: The most timed runs, and warm-up runs, per variant: every run's time is kept, and a run
+#: takes milliseconds to seconds, so ten thousand already take hours.
+MAX_REPEAT = 10_000
 
 
 def variants(benchmark: str = "sweep", **params: Any) -> list[Variant]:
     """The product of the swept ``params`` (lists or ``"1,2,4"`` strings, see ``AXES``) with
-    the settings among them (model, mode, sizes, onnx, loss)."""
+    the settings among them (model, mode, sizes, onnx, loss); refuses more than
+    :data:`MAX_VARIANTS`, counted before any is made."""
     axes = {k: v for k, v in params.items() if k in AXES and v is not None}
     settings = {k: v for k, v in params.items() if k not in AXES}
     return product(benchmark, axes, settings)
@@ -46,7 +52,7 @@ def _validate(found: list[Variant], backend: str, skip_invalid: bool) -> list[di
     from ._measure import model_of
 
     if backend not in ("xla", "popart"):
-        raise ConfigError(f"bench: backend {backend!r} is not one of xla, popart.",
+        raise ConfigError(f"bench: backend {short(backend)} is not one of xla, popart.",
                           rule="K-bench-sweep")
     names = [v.name for v in found]
     if len(set(names)) != len(names):
@@ -90,16 +96,28 @@ def run(found: list[Variant], *, backend: str = "xla", repeat: int = 5, warmup: 
         instance_timeout: float = 300.0, out: str | Path | None = None,
         plots: bool = True) -> dict[str, Any]:
     """Run ``found`` variants; the results (``machine``, ``options``, ``columns``,
-    ``variants``), written to ``out`` (JSON, CSV, PNG) when given."""
-    if repeat < 1 or warmup < 0:
-        raise ConfigError(f"bench: repeat must be >= 1 and warmup >= 0; got repeat={repeat}, "
-                          f"warmup={warmup}.", rule="K-bench-sweep")
+    ``variants``), written to ``out`` (JSON, CSV, PNG) when given. Refuses options of the
+    wrong type or past :data:`MAX_REPEAT` (:func:`_check_options`)."""
+    _check_options(repeat, warmup, baselines)
     if not found:
         raise ConfigError("bench: no variants to run.", rule="K-bench-sweep")
     rows = _validate(found, backend, skip_invalid)
     options = {"backend": backend, "repeat": repeat, "warmup": warmup, "baselines": baselines}
     with _no_disk_cache():
         return _run(found, rows, options, instance_timeout, progress, out, plots)
+
+
+def _check_options(repeat: Any, warmup: Any, baselines: Any) -> None:
+    """Refuse a ``repeat`` outside 1 to MAX_REPEAT, a ``warmup`` outside 0 to MAX_REPEAT, or a
+    ``baselines`` that is not True or False."""
+    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_REPEAT:
+            raise ConfigError(f"bench: {name} must be a whole number of runs, at least {low} and "
+                              f"at most {MAX_REPEAT:,}; got {short(value)}. Fix: e.g. {name} "
+                              f"{5 if low else 1}.", rule="K-bench-sweep")
+    if not isinstance(baselines, bool):
+        raise ConfigError(f"bench: baselines must be true or false; got {short(baselines)}.",
+                          rule="K-bench-sweep")
 
 
 def _run(found: list[Variant], rows: list[dict[str, Any]], options: dict[str, Any],
@@ -137,10 +155,11 @@ class _no_disk_cache:
         import os
 
         from ..backends.xla import placement
+        from ..backends.xla.compilation_cache import CACHE_VARIABLE
 
-        self.before = os.environ.get(placement.CACHE_VARIABLE)
+        self.before = os.environ.get(CACHE_VARIABLE)
         if self.before is None:
-            os.environ[placement.CACHE_VARIABLE] = "off"
+            os.environ[CACHE_VARIABLE] = "off"
         placement.ensure_host_devices()  # before anything starts JAX, as a session would
         import jax
 
@@ -152,11 +171,11 @@ class _no_disk_cache:
 
         import jax
 
-        from ..backends.xla import placement
+        from ..backends.xla.compilation_cache import CACHE_VARIABLE
 
         jax.config.update("jax_default_matmul_precision", self.precision)
         if self.before is None:
-            os.environ.pop(placement.CACHE_VARIABLE, None)
+            os.environ.pop(CACHE_VARIABLE, None)
 
 
 def _one(v: Variant, backend: str, repeat: int, warmup: int, baselines: bool,
@@ -219,13 +238,10 @@ def sweep(*, model: str = "mlp", mode: str = "inference", onnx: str | None = Non
     if spec is not None:
         found, options = from_spec(spec)
         backend = options.get("backend", backend)
-        repeat = int(options.get("repeat", repeat))
-        warmup = int(options.get("warmup", warmup))
-        baselines = bool(options.get("baselines", baselines))
+        repeat = options.get("repeat", repeat)
+        warmup = options.get("warmup", warmup)
+        baselines = options.get("baselines", baselines)
     else:
-        if mode not in ("inference", "training"):
-            raise ConfigError(f"bench: mode {mode!r} is not inference or training.",
-                              rule="K-bench-sweep")
         found = variants(
             onnx if onnx else model, model=model, mode=mode, onnx=onnx, loss=loss,
             replication=replication, batches_per_step=batches_per_step,

@@ -91,4 +91,5 @@ def describe(facts: dict[str, Any]) -> str:
     loads = "" if load is None else f", load {load:.2f}" + ("" if end is None else f"-{end:.2f}")
     return (f"{facts.get('cpu')}, {facts.get('cores_usable')} cores"
             + (f", {dev.get('count')} {dev.get('platform')} devices" if dev else "")
-            + f"; {facts.get('backend')} backend, jax {facts['libraries'].get('jax')}{loads}")
+            + f"; {facts.get('backend')} backend, jax "
+              f"{(facts.get('libraries') or {}).get('jax')}{loads}")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PopartKitError
-from ._models import CLASSES, Built, Sizes, build, load_onnx
+from ._models import CLASSES, Built, Sizes, build, check_size, load_onnx
 from ._timing import Stats, interleaved
 from ._variants import Variant
 
@@ -35,11 +35,14 @@ def rss_mib() -> float:
 
 
 def model_of(v: Variant) -> Built:
+    """The variant's model: its ONNX file, or the built-in model once its size is checked."""
     training = v.mode == "training"
     if v.onnx is not None:
         return load_onnx(v.onnx, training, v.loss)
-    return build(v.model, Sizes(v.width, v.layers, v.seq, v.heads, v.image), v.micro_batch,
-                 v.stages, training)
+    sizes = Sizes(v.width, v.layers, v.seq, v.heads, v.image)
+    check_size(v.model, sizes, v.micro_batch,
+               v.batches_per_step * v.accumulation * v.replication)
+    return build(v.model, sizes, v.micro_batch, v.stages, training)
 
 
 def prepare(v: Variant, backend: str, built: Built | None = None, cfg: Any = None) -> Any:

@@ -10,12 +10,21 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 
-__all__ = ["MODELS", "CLASSES", "Sizes", "Built", "build", "load_onnx"]
+__all__ = ["MODELS", "CLASSES", "MAX_MODEL_BYTES", "MAX_LAYERS", "Sizes", "Built", "build",
+           "check_size", "load_onnx"]
 
 MODELS = ("mlp", "convnet", "encoder")
 CLASSES = 10
+#: The most bytes a built-in model may need on the host, counted from its sizes before anything
+#: is allocated: float32 weights, one step's inputs and one micro-batch's largest activation (a
+#: lower bound: compiling and running take more). The built-in models time the kit; past this
+#: they would fail to allocate, or be killed, rather than measure anything.
+MAX_MODEL_BYTES = 16 * 2**30
+#: The most layers (blocks) of a built-in model: the builder infers every op's shape as it adds
+#: it, so deeper models take minutes to build before anything is timed.
+MAX_LAYERS = 256
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,51 @@ class Built:
     loss: str | None = None
     weights: list[np.ndarray] = field(default_factory=list)
     forward: Callable[[Any, Any], Any] | None = None
+
+
+def footprint(model: str, sizes: Sizes, micro_batch: int, micro_batches: int) -> int:
+    """Bytes of the built-in ``model``'s float32 weights, ``micro_batches`` micro-batches of
+    input and one micro-batch's largest activation, from the sizes alone."""
+    d, n = sizes.width, sizes.layers
+    if model == "mlp":
+        weights, sample, activation = n * d * d, d, d
+    elif model == "convnet":
+        pixels = sizes.image * sizes.image
+        weights, sample, activation = 27 * d + (n - 1) * 9 * d * d, 3 * pixels, d * pixels
+    else:  # encoder: the attention scores or the feed-forward layer, whichever is larger
+        s = sizes.seq
+        weights, sample, activation = 12 * n * d * d, s * d, s * max(4 * d, sizes.heads * s)
+    return 4 * (weights + d * CLASSES + micro_batch * (micro_batches * sample + activation))
+
+
+_USED = {"mlp": ("width", "layers"), "convnet": ("width", "layers", "image"),
+         "encoder": ("width", "layers", "seq", "heads")}  # the sizes each model reads
+
+
+def check_size(model: str, sizes: Sizes, micro_batch: int, micro_batches: int) -> None:
+    """Refuse a built-in model of more than :data:`MAX_LAYERS` layers, or needing more than
+    :data:`MAX_MODEL_BYTES` (:func:`footprint`); a single number past the byte limit is
+    refused as is, so the cost does not grow with the numbers."""
+    if model not in MODELS:
+        return  # build() refuses it, naming the models
+    if sizes.layers > MAX_LAYERS:
+        raise ConfigError(f"bench: the {model} has {short(sizes.layers)} layers, more than "
+                          f"{MAX_LAYERS} a built-in model may have. Fix: layers {MAX_LAYERS} or "
+                          f"fewer.", rule="K-bench-model")
+    numbers = {**{k: getattr(sizes, k) for k in _USED[model]}, "micro_batch": micro_batch,
+               "micro-batches per step": micro_batches}
+    need = next((f"its {key} {short(value)} alone is more than" for key, value in numbers.items()
+                 if value > MAX_MODEL_BYTES), None)
+    if need is None:
+        total = footprint(model, sizes, micro_batch, micro_batches)
+        if total <= MAX_MODEL_BYTES:
+            return
+        need = f"it needs at least {total / 2**30:,.1f} GiB, more than"
+    shown = ", ".join(f"{k} {short(v)}" for k, v in numbers.items())
+    raise ConfigError(f"bench: the {model} of {shown}: {need} the {MAX_MODEL_BYTES / 2**30:.0f} "
+                      f"GiB a built-in model may take (weights, a step's inputs, activations). "
+                      f"Fix: a smaller {', '.join(_USED[model])}, micro_batch or "
+                      f"batches_per_step.", rule="K-bench-model")
 
 
 def _stage_of(layer: int, layers: int, stages: int) -> int:

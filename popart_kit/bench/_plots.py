@@ -3,8 +3,11 @@ line, throughput against device iterations, measured against planned pipeline bu
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from .._atomic import write_atomic
 
 __all__ = ["plot"]
 
@@ -38,7 +41,8 @@ def _log2_ticks(ax: Any, values: list[int]) -> None:
 
 
 def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
-    """Write the plots that the results have data for into ``directory``; their paths."""
+    """Write the plots that the results (checked ones: see ``_results.check``) have data for
+    into ``directory``, each replaced whole or not at all; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,10 +62,10 @@ def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
         fig.suptitle(title, fontsize=10)
         fig.text(0.5, 0.005, machine, ha="center", va="bottom", fontsize=7, color="0.4")
         fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-        path = directory / name
-        fig.savefig(path, dpi=80)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80)
         plt.close(fig)
-        written.append(path)
+        written.append(write_atomic(directory / name, png.getvalue()))
 
     if rows:
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -99,7 +103,8 @@ def plot(results: dict[str, Any], directory: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         save(fig, "device_iterations.png", "throughput against device iterations")
 
-    piped = [r for r in rows if r.get("bubble_planned") is not None]
+    piped = [r for r in rows if r.get("bubble_planned") is not None
+             and r.get("bubble_measured") is not None]
     if piped:
         fig, ax = plt.subplots(figsize=(5, 4.5))
         top = max(max(r["bubble_planned"], r["bubble_measured"]) for r in piped) * 1.1 or 1

@@ -4,15 +4,20 @@ runs."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from ..errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["COLUMNS", "efficiencies", "write", "load", "compare"]
+from .._atomic import write_atomic
+from ..backends.xla.profiling import Utf8Text as _Text
+from ..errors import ConfigError, InvalidConfig
+
+__all__ = ["COLUMNS", "efficiencies", "write", "load", "check", "compare"]
 
 #: The CSV's columns, in order, with what each holds.
 COLUMNS: dict[str, str] = {
@@ -70,18 +75,19 @@ def efficiencies(rows: list[dict[str, Any]]) -> None:
 def write(directory: str | Path, rows: list[dict[str, Any]], machine: dict[str, Any],
           options: dict[str, Any]) -> tuple[Path, Path]:
     """results.json (machine, options, columns, rows) and results.csv (the rows) in
-    ``directory``."""
+    ``directory``, each replaced whole or not at all (FileWriteError)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = directory / "results.json", directory / "results.csv"
-    json_path.write_text(json.dumps({"machine": machine, "options": options,
-                                     "columns": COLUMNS, "variants": rows},
-                                    indent=2, default=str) + "\n")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+    write_atomic(json_path, json.dumps({"machine": machine, "options": options,
+                                        "columns": COLUMNS, "variants": rows},
+                                       indent=2, default=str) + "\n")
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(COLUMNS), extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+    write_atomic(csv_path, text.getvalue())
     return json_path, csv_path
 
 
@@ -93,25 +99,111 @@ def _cell(value: Any) -> Any:
     return value
 
 
+_Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0)]
+_Count = Annotated[int, Field(strict=True, ge=1)]
+
+
+class _Machine(BaseModel):
+    """What :func:`describe` reads of the machine facts."""
+
+    model_config = ConfigDict(extra="allow")
+    cpu: _Text | None = None
+    cores_usable: _Count | None = None
+    backend: _Text | None = None
+    commit: _Text | None = None
+    libraries: dict[_Text, _Text | None] = {}
+    devices: dict[_Text, _Text | int | None] | None = None
+    load_start: _Number | None = None
+    load_end: _Number | None = None
+
+
+class _Results(BaseModel):
+    """A results file's top level: the rows are checked one by one (:class:`_Row`)."""
+
+    model_config = ConfigDict(extra="allow")
+    variants: list[dict[str, Any]]
+    machine: _Machine | None = None
+
+
+class _Row(BaseModel):
+    """Any row: a name, and the parameters the plots group rows by, of their types."""
+
+    model_config = ConfigDict(extra="allow")
+    name: _Text
+    status: _Text | None = None
+    benchmark: _Text | None = None
+    model: _Text | None = None
+    mode: _Text | None = None
+    replication: _Count | None = None
+    batches_per_step: _Count | None = None
+    accumulation: _Count | None = None
+    stages: _Count | None = None
+    instances: _Count | None = None
+    micro_batch: _Count | None = None
+
+
+class _RunRow(_Row):
+    """A row that ran (status ok): the numbers compared and plotted."""
+
+    replication: _Count
+    batches_per_step: _Count
+    samples_per_s: _Positive
+    step_ms: _Positive
+    efficiency: _Number | None = None
+    bubble_planned: _Number | None = None
+    bubble_measured: _Number | None = None
+
+
 def load(path: str | Path) -> dict[str, Any]:
-    """A results.json as written by :func:`write`; refused with what is wrong."""
+    """A results.json as written by :func:`write`; refuses a file that is not JSON, and every
+    problem of its structure at once (:func:`check`)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"bench: cannot read results {path}: {exc.strerror}.",
                           rule="K-bench-results") from None
-    except ValueError as exc:
-        raise ConfigError(f"bench: {path} is not JSON ({exc}); give a results.json written "
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError(f"bench: {path} is not JSON ({why}); give a results.json written "
                           f"by popart-kit bench.", rule="K-bench-results") from None
-    if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
-        raise ConfigError(f"bench: {path} has no 'variants' list; give a results.json written "
-                          f"by popart-kit bench.", rule="K-bench-results")
+    check(data, str(path))
     return data
 
 
+def check(data: Any, source: str) -> None:
+    """Refuse ``data`` that is not results as :func:`write` makes them: a ``variants`` list of
+    rows, each named, those that ran with positive samples/s and step time, every key of its
+    type; :class:`~popart_kit.errors.InvalidConfig` listing every problem."""
+    entries = _problems(_Results, data, ())
+    if not entries:
+        for i, row in enumerate(data["variants"]):
+            model = _RunRow if row.get("status") == "ok" else _Row
+            entries += _problems(model, row, ("variants", i))
+    if entries:
+        raise InvalidConfig.of(f"bench: {source} is not a results.json written by popart-kit "
+                               f"bench; give one it wrote", entries)
+
+
+_RULE = "popart_kit.K-bench-results"  # the type of the Invalid entries
+
+
+def _problems(model: type[BaseModel], data: Any, loc: tuple) -> list[tuple]:
+    """``model``'s complaints about ``data`` as Invalid entries under ``loc``."""
+    if not isinstance(data, dict):
+        return [(_RULE, loc, f"expected an object, got {type(data).__name__}", data)]
+    try:
+        model.model_validate(data)
+    except ValidationError as err:
+        return [(_RULE, loc + tuple(e["loc"]), e["msg"], e.get("input"))
+                for e in err.errors(include_url=False)]
+    return []
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    """Variants of two results matched by name: samples/s and step time of each, and b / a."""
+    """Variants of two results (as :func:`load` gives them) matched by name: samples/s and
+    step time of each, and b / a."""
     rows_b = {r["name"]: r for r in b["variants"] if r.get("status") == "ok"}
     out = []
     for ra in a["variants"]:

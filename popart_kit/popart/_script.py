@@ -28,6 +28,16 @@ def run_script(script: str, args: Sequence[str] = ()) -> int:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
-        code = done.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        return exit_status(done.code)
     return 0
+
+
+def exit_status(code: object) -> int:
+    """The status ``python SCRIPT`` exits with after ``sys.exit(code)``: 0 for None, an integer
+    as is, else 1 after printing ``code`` to stderr (``sys.exit("message")``)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1

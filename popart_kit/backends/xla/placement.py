@@ -31,10 +31,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...errors import ConfigError
-from .compilation_cache import CACHE_VARIABLE, use_compilation_cache
+from .compilation_cache import use_compilation_cache
 
-__all__ = ["REPLICA", "PROCESS", "HOST_DEVICES", "CACHE_VARIABLE", "Placement",
-           "ensure_host_devices", "replica_devices", "use_compilation_cache"]
+__all__ = ["REPLICA", "PROCESS", "HOST_DEVICES", "Placement", "ensure_host_devices",
+           "replica_devices"]
 
 REPLICA = "replica"
 PROCESS = "process"

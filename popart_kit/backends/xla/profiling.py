@@ -8,8 +8,9 @@ PopART writes Poplar's auto-report there; the xla backend writes what an XLA use
   memory analysis (argument, output, temporary and code bytes), the compile time and every run's
   wall time.
 
-:func:`summary` turns the JSON into the table ``popart-kit report DIR`` prints. With no
-directory set, :func:`compiled` and :func:`run` do nothing.
+:func:`summary` checks the JSON's structure (every problem at once) and turns it into the table
+``popart-kit report DIR`` prints. With no directory set, :func:`compiled` and :func:`run` do
+nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..._atomic import write_atomic
+from ...errors import ConfigError, InvalidConfig
 
 __all__ = ["REPORT", "TRACED_RUNS", "compiled", "run", "summary"]
 
@@ -113,18 +117,69 @@ def _bytes(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def summary(folder: str | Path) -> list[tuple[str, str]]:
-    """``(what, value)`` rows summarising the report in ``folder``; refuses a folder without
-    one, saying how to make it."""
-    from ...errors import ConfigError
+def _text(value: str) -> str:
+    """``value``, refused where it holds a lone surrogate (JSON's ``"\\ud800"``): such text
+    cannot be printed or written as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"a lone surrogate at position {err.start}; text must be UTF-8"
+                         ) from None
+    return value
 
+
+#: Text a JSON file may hold: a string that encodes as UTF-8 (so can be printed).
+Utf8Text = Annotated[str, Field(strict=True), AfterValidator(_text)]
+_Seconds = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
+_Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_Bytes = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+
+
+class _Program(BaseModel):
+    """One compiled program's cost and memory analysis."""
+
+    model_config = ConfigDict(extra="allow")
+    cost: dict[str, _Number] = {}
+    memory: dict[str, _Bytes] = {}
+
+
+class _Report(BaseModel):
+    """The report as :func:`compiled` and :func:`run` write it: what :func:`summary` reads."""
+
+    model_config = ConfigDict(extra="allow")
+    backend: Utf8Text = "?"
+    compile_seconds: _Seconds | None = None
+    run_seconds: list[_Seconds] = []
+    programs: list[_Program] = []
+
+
+def _read(folder: str | Path) -> dict[str, Any]:
+    """The report in ``folder``; refuses a missing or unreadable file, text that is not JSON,
+    and a structure other than :class:`_Report`'s (every problem at once)."""
     path = Path(folder) / REPORT
+    fix = f"Fix: run an xla session with profiling.auto_report_dir={str(folder)!r} first"
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: no readable xla profiling report ({type(err).__name__}). "
-                          f"Fix: run an xla session with profiling.auto_report_dir="
-                          f"{str(folder)!r} first.", rule="K-report-missing") from None
+    except (OSError, ValueError, RecursionError) as err:
+        why = "nested too deeply" if isinstance(err, RecursionError) else type(err).__name__
+        raise ConfigError(f"{path}: no readable xla profiling report ({why}). {fix}.",
+                          rule="K-report-missing") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path}: expected an object at the top level of an xla profiling "
+                          f"report, got {type(state).__name__}. {fix}.", rule="K-report-missing")
+    try:
+        _Report.model_validate(state)
+    except ValidationError as err:
+        raise InvalidConfig.of(f"{path} is not an xla profiling report; {fix}", [
+            ("popart_kit.K-report-missing", e["loc"], e["msg"], e.get("input"))
+            for e in err.errors(include_url=False)]) from None
+    return state
+
+
+def summary(folder: str | Path) -> list[tuple[str, str]]:
+    """``(what, value)`` rows summarising the report in ``folder``; refuses a folder without
+    one, or with a malformed one (:func:`_read`), saying how to make it."""
+    state = _read(folder)
     runs = state.get("run_seconds", [])
     rows = [("backend", state.get("backend", "?")),
             ("compile time", f"{state['compile_seconds']:.3f} s"
