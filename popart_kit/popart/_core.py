@@ -289,12 +289,14 @@ class Patterns:
 # -- host data --------------------------------------------------------------------------------
 
 
-def _contiguous(kind: str, name: str, array: Any) -> np.ndarray:
+def _contiguous(kind: str, name: str, array: Any, who: str = "PyStepIO") -> np.ndarray:
+    """``array`` if it is a C-contiguous numpy array, as PopART's bindings require of host
+    arrays (a converted copy would be read or written in its place); ``who`` names the user."""
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"PyStepIO: the {kind} for tensor {name!r} is a "
+        raise TypeError(f"{who}: the {kind} for tensor {name!r} is a "
                         f"{type(array).__name__}; give a numpy array.")
     if not array.flags.c_contiguous:
-        raise popart_exception(f"PyStepIO is unable to use the numpy {kind} array for tensor "
+        raise popart_exception(f"{who} is unable to use the numpy {kind} array for tensor "
                                f"'{name}' as it is not c-contiguous (a data layout requirement). "
                                f"Fix: pass np.ascontiguousarray(array).")
     return array

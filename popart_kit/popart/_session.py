@@ -34,6 +34,7 @@ from ._core import (
     PyStepIOCallback,
     PyWeightsIO,
     TensorInfo,
+    _contiguous,
     popart_exception,
 )
 from ._devices import DeviceInfo
@@ -118,16 +119,10 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     return out
 
 
-def _flat_into(name: str, target: Any, values: np.ndarray, kind: str) -> None:
+def _flat_into(name: str, target: Any, values: np.ndarray, kind: str, who: str) -> None:
     """Copy ``values`` into the user's ``target`` in place, refusing (as PopART does) a target
     whose memory cannot take them as one flat block: a copy would be written and lost."""
-    if not isinstance(target, np.ndarray):
-        raise popart_exception(f"The {kind} array for tensor '{name}' is a "
-                               f"{type(target).__name__}; give a numpy array to write into.")
-    if not target.flags.c_contiguous:
-        raise popart_exception(f"Unable to use the numpy {kind} array for tensor '{name}' as it "
-                               f"is not c-contiguous (a data conversion here would write to a "
-                               f"copy). Fix: pass np.ascontiguousarray(array) and read it back.")
+    _contiguous(kind, name, target, who)
     if not target.flags.writeable:
         raise popart_exception(f"Unable to write the {kind} array for tensor '{name}': it is "
                                f"read-only. Fix: pass a writeable array.")
@@ -243,7 +238,7 @@ class _Session:
             for name, values in out.items():
                 if name not in stepio.outputs:
                     raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
-                _flat_into(name, stepio.outputs[name], values, "output")
+                _flat_into(name, stepio.outputs[name], values, "output", "PyStepIO")
 
     def _arrays(self, stepio: PyStepIO) -> dict[str, np.ndarray]:
         io, inputs = self._kit.io, {}
@@ -289,10 +284,7 @@ class _Session:
                     if array is None or np.ndim(array) == 0:
                         raise popart_exception(f"[StepIOSplitter] IStepIO unexpectedly did not "
                                                f"provide input data for tensor {name}")
-                    array = np.asarray(array)
-                    if not array.flags.c_contiguous:
-                        raise popart_exception(f"PyStepIOCallback: the array for {name} is not "
-                                               f"c-contiguous. Fix: np.ascontiguousarray.")
+                    array = _contiguous("input", name, np.asarray(array), "PyStepIOCallback")
                     if array.size != spec.nelms:
                         raise popart_exception(
                             f"PyStepIOCallback: input_callback({name!r}) gave {array.size} "
@@ -307,7 +299,8 @@ class _Session:
         for name, values in out.items():
             spec = io.anchors[name][0]
             for piece in values.reshape(-1, *spec.shape):
-                _flat_into(name, stepio.output_callback(name), piece, "output")
+                _flat_into(name, stepio.output_callback(name), piece, "output",
+                           "PyStepIOCallback")
                 stepio.output_complete_callback(name)
 
     # -- weights --------------------------------------------------------------------------------
@@ -348,7 +341,7 @@ class _Session:
             if name not in tensors:
                 raise popart_exception(f"readWeights: no weight or optimizer state named "
                                        f"{name!r}; weights: {', '.join(sorted(tensors))}.")
-            _flat_into(name, target, np.asarray(tensors[name]), "weight")
+            _flat_into(name, target, np.asarray(tensors[name]), "weight", "PyWeightsIO")
 
     def resetHostWeights(self, modelProtoOrFilename: Any,
                          ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False
