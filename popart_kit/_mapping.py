@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import _names
 from . import _popart_catalog as catalog
-from ._rules import CONTROLLED_MAP_KEYS, CONTROLLED_OPTIONS
 from .errors import ConfigError, short
 
 if TYPE_CHECKING:
-    from .config import SessionConfig
+    from ._fields import SessionFields
 
 __all__ = ["to_popart_dict", "device_request", "to_session_options", "from_session_options",
            "import_popart"]
@@ -20,7 +19,7 @@ __all__ = ["to_popart_dict", "device_request", "to_session_options", "from_sessi
 _AUTO_REPORT_ALL, _AUTO_REPORT_DIR = "autoReport.all", "autoReport.directory"
 
 
-def to_popart_dict(cfg: SessionConfig) -> dict[str, Any]:
+def to_popart_dict(cfg: SessionFields) -> dict[str, Any]:
     rep, acc, prec = cfg.replication, cfg.accumulation, cfg.precision
     engine = dict(cfg.popart_options.get("engineOptions", {}))
     if cfg.profiling.auto_report_dir is not None:
@@ -47,12 +46,12 @@ def to_popart_dict(cfg: SessionConfig) -> dict[str, Any]:
         "engineOptions": engine,
         "convolutionOptions": convolution,
     }
-    assert controlled.keys() >= CONTROLLED_OPTIONS.keys()
+    assert controlled.keys() >= catalog.CONTROLLED_OPTIONS.keys()
     extra = {k: v for k, v in cfg.popart_options.items() if k not in controlled}
     return controlled | extra
 
 
-def device_request(cfg: SessionConfig) -> dict[str, Any]:
+def device_request(cfg: SessionFields) -> dict[str, Any]:
     if cfg.device.target != "ipu":
         raise ConfigError(
             f"device.target={cfg.device.target!r}: only IPU hardware is acquired with "
@@ -88,7 +87,7 @@ def import_popart() -> Any:
     return popart
 
 
-def to_session_options(cfg: SessionConfig, popart: Any = None) -> Any:
+def to_session_options(cfg: SessionFields, popart: Any = None) -> Any:
     popart = import_popart() if popart is None else popart
     opts = popart.SessionOptions()
     for name, value in to_popart_dict(cfg).items():
@@ -109,7 +108,7 @@ def _reader(opts: Any) -> tuple[Any, list[str]]:
         return (lambda name: catalog.plain(name, opts.get(name, catalog.DEFAULTS.get(name))),
                 list(opts))
     get = lambda name: catalog.plain(name, getattr(opts, name))  # noqa: E731
-    changed = [n for n in catalog.OPTIONS if n not in CONTROLLED_OPTIONS
+    changed = [n for n in catalog.OPTIONS if n not in catalog.CONTROLLED_OPTIONS
                and catalog.readable(opts, n) and get(n) != catalog.DEFAULTS.get(n)]
     return get, changed
 
@@ -126,8 +125,8 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_session_options(cls: type[SessionConfig], opts: Any,
-                         rest: Mapping[str, Any]) -> SessionConfig:
+def from_session_options(cls: type[SessionFields], opts: Any,
+                         rest: Mapping[str, Any]) -> SessionFields:
     get, names = _reader(opts)
     problems = []
     if not get("enableGradientAccumulation") and get("accumulationFactor") > 1:
@@ -183,7 +182,7 @@ def from_session_options(cls: type[SessionConfig], opts: Any,
         del data["accumulation"]["mean_strategy"]  # PopART always holds one; record a change only
     extra = {}
     for name in names:
-        if name in CONTROLLED_OPTIONS:
+        if name in catalog.CONTROLLED_OPTIONS:
             continue
         value = {"engineOptions": engine, "convolutionOptions": conv}.get(name)
         if value is None:
@@ -200,4 +199,4 @@ def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
             for k, v in data.items() if v is not None}
 
 
-assert set(k for k, _ in CONTROLLED_MAP_KEYS) <= {"engineOptions", "convolutionOptions"}
+assert set(k for k, _ in catalog.CONTROLLED_MAP_KEYS) <= {"engineOptions", "convolutionOptions"}

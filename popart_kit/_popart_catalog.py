@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import short
 
-__all__ = ["OPTIONS", "DEFAULTS", "ENUMS", "STRUCTS", "DEPRECATED",
+__all__ = ["OPTIONS", "DEFAULTS", "ENUMS", "STRUCTS", "DEPRECATED", "CONTROLLED_OPTIONS",
+           "CONTROLLED_MAP_KEYS", "ELSEWHERE",
            "type_problem", "assign", "plain", "readable"]
 
 _DATA = json.loads(resources.files(__package__).joinpath("_data/session_options.json")
@@ -127,3 +128,38 @@ def plain(name: str, value: Any) -> Any:
 
 def readable(opts: Any, name: str) -> bool:
     return hasattr(opts, name)
+
+
+# SessionOptions attributes the typed fields set: a popart_options entry may not set them too.
+CONTROLLED_OPTIONS: dict[str, str] = {
+    "virtualGraphMode": "virtual_graph_mode",
+    "enablePipelining": "pipeline.enabled",
+    "autoRecomputation": "pipeline.recomputation",
+    "enableGradientAccumulation": "accumulation.factor",
+    "accumulationFactor": "accumulation.factor",
+    "accumulationAndReplicationReductionType": "accumulation.reduction",
+    "meanAccumulationAndReplicationReductionStrategy": "accumulation.mean_strategy",
+    "enableReplicatedGraphs": "replication.local_factor",
+    "replicatedGraphCount": "replication.local_factor",
+    "enableDistributedReplicatedGraphs": "replication.global_factor",
+    "globalReplicationFactor": "replication.global_factor",
+    "globalReplicaOffset": "replication.global_offset",
+    "partialsTypeMatMuls": "precision.partials_type",
+    "enableStochasticRounding": "precision.stochastic_rounding",
+    "instrumentWithHardwareCycleCounter": "profiling.cycle_counter",
+}
+# Keys of map options that typed fields set; other keys of these maps pass through.
+CONTROLLED_MAP_KEYS: dict[tuple[str, str], str] = {
+    ("engineOptions", "autoReport.all"): "profiling.auto_report_dir",
+    ("engineOptions", "autoReport.directory"): "profiling.auto_report_dir",
+    ("convolutionOptions", "partialsType"): "precision.partials_type",
+}
+# Names people reach for that are not SessionOptions attributes.
+ELSEWHERE: dict[str, str] = {
+    "batchesPerStep": "batches_per_step (PopART DataFlow)",
+    "numIpus": "ipus_per_replica and replication.local_factor (device request)",
+    "tilesPerIpu": "device.tiles_per_ipu", "tilesPerIPU": "device.tiles_per_ipu",
+    "syncPattern": "device.sync_pattern", "connectionType": "device.connection",
+    "enableExplicitIR": "useHostCopyOps, enableExplicitMainLoops and explicitRecomputation "
+                        "(what the enableExplicitIR method sets)",
+}

@@ -26,9 +26,9 @@ from ._problems import Problem
 from .errors import short
 
 if TYPE_CHECKING:
-    from .config import SessionConfig
+    from ._fields import SessionFields
 
-__all__ = ["check_config", "CONTROLLED_OPTIONS", "MAX_IPUS_PER_INSTANCE", "MAX_GLOBAL_IPUS",
+__all__ = ["check_config", "MAX_IPUS_PER_INSTANCE", "MAX_GLOBAL_IPUS",
            "BUBBLE_WARNING"]
 
 MAX_IPUS_PER_INSTANCE = 64
@@ -36,7 +36,7 @@ MAX_IPUS_PER_INSTANCE = 64
 MAX_GLOBAL_IPUS = 64_000
 BUBBLE_WARNING = 0.30
 
-Rule = Callable[["SessionConfig"], Iterator[Problem]]
+Rule = Callable[["SessionFields"], Iterator[Problem]]
 _RULES: list[Rule] = []
 
 
@@ -45,7 +45,7 @@ def _rule(fn: Rule) -> Rule:
     return fn
 
 
-def check_config(cfg: SessionConfig) -> list[Problem]:
+def check_config(cfg: SessionFields) -> list[Problem]:
     """Every problem (errors and warnings) of a config whose fields are individually valid."""
     return [p for rule in _RULES for p in rule(cfg)]
 
@@ -65,7 +65,7 @@ def _pct(x: float) -> str:
 
 
 @_rule
-def _replication(cfg: SessionConfig) -> Iterator[Problem]:
+def _replication(cfg: SessionFields) -> Iterator[Problem]:
     for p in cfg.replication.problems():
         yield dataclasses.replace(p, loc=f"replication.{p.loc}")
 
@@ -74,7 +74,7 @@ def _replication(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _pipelining_needs_virtual_graphs(cfg: SessionConfig) -> Iterator[Problem]:
+def _pipelining_needs_virtual_graphs(cfg: SessionFields) -> Iterator[Problem]:
     if not cfg.pipeline.enabled:
         return
     if cfg.ipus_per_replica < 2:
@@ -94,7 +94,7 @@ def _pipelining_needs_virtual_graphs(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _virtual_graphs_off_means_one_ipu(cfg: SessionConfig) -> Iterator[Problem]:
+def _virtual_graphs_off_means_one_ipu(cfg: SessionFields) -> Iterator[Problem]:
     if cfg.virtual_graph_mode == "off" and cfg.ipus_per_replica > 1 and not cfg.pipeline.enabled:
         yield _error(
             "virtual_graph_mode",
@@ -107,7 +107,7 @@ def _virtual_graphs_off_means_one_ipu(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _pipeline_depth(cfg: SessionConfig) -> Iterator[Problem]:
+def _pipeline_depth(cfg: SessionFields) -> Iterator[Problem]:
     acc, bps, stages = cfg.accumulation.factor, cfg.batches_per_step, cfg.pipeline.stages
     if not cfg.is_training and acc > 1:
         yield _error(
@@ -147,7 +147,7 @@ def _suggest_fill(depth: int) -> int:
 
 
 @_rule
-def _pipeline_warnings(cfg: SessionConfig) -> Iterator[Problem]:
+def _pipeline_warnings(cfg: SessionFields) -> Iterator[Problem]:
     pipe, acc = cfg.pipeline, cfg.accumulation.factor
     if not pipe.enabled:
         if pipe.stages is not None:
@@ -203,7 +203,7 @@ def _pipeline_warnings(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _mean_strategy_needs_mean(cfg: SessionConfig) -> Iterator[Problem]:
+def _mean_strategy_needs_mean(cfg: SessionFields) -> Iterator[Problem]:
     acc = cfg.accumulation
     if acc.reduction == "sum" and acc.mean_strategy != "post":
         yield _warning(
@@ -218,7 +218,7 @@ def _mean_strategy_needs_mean(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _host_targets(cfg: SessionConfig) -> Iterator[Problem]:
+def _host_targets(cfg: SessionFields) -> Iterator[Problem]:
     target, rep = cfg.device.target, cfg.replication
     if target in ("ipu_model", "cpu") and (rep.local_factor > 1 or rep.is_distributed):
         loc = "replication.local_factor" if rep.local_factor > 1 else "replication.global_factor"
@@ -254,7 +254,7 @@ def _host_targets(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
+def _ipu_count(cfg: SessionFields) -> Iterator[Problem]:
     local, ipus = cfg.replication.local_factor, cfg.ipus_per_replica
     need = local * ipus
     involved = {"replication__local_factor": local, "ipus_per_replica": ipus}
@@ -299,7 +299,7 @@ def _ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
 
 
 @_rule
-def _global_ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
+def _global_ipu_count(cfg: SessionFields) -> Iterator[Problem]:
     total, ipus = cfg.replication.global_replicas, cfg.ipus_per_replica
     if total * ipus > MAX_GLOBAL_IPUS:
         loc = ("replication.global_factor" if cfg.replication.is_distributed
@@ -312,7 +312,7 @@ def _global_ipu_count(cfg: SessionConfig) -> Iterator[Problem]:
             "K-max-global-ipus", replication__global_replicas=total, ipus_per_replica=ipus)
 
 
-def _instance_ipus(cfg: SessionConfig, need: int) -> int:
+def _instance_ipus(cfg: SessionFields, need: int) -> int:
     """IPUs an instance that needs ``need`` would request, or a huge number if it cannot."""
     if cfg.device.target != "ipu" or is_power_of_two(need):
         return need
@@ -320,7 +320,7 @@ def _instance_ipus(cfg: SessionConfig, need: int) -> int:
 
 
 @_rule
-def _rounding_needs_hardware(cfg: SessionConfig) -> Iterator[Problem]:
+def _rounding_needs_hardware(cfg: SessionFields) -> Iterator[Problem]:
     if cfg.device.round_to_power_of_two and cfg.device.target != "ipu":
         yield _warning(
             "device.round_to_power_of_two",
@@ -331,39 +331,6 @@ def _rounding_needs_hardware(cfg: SessionConfig) -> Iterator[Problem]:
 
 # -- popart_options -----------------------------------------------------------------------------
 
-# SessionOptions attributes the typed fields set: a popart_options entry may not set them too.
-CONTROLLED_OPTIONS: dict[str, str] = {
-    "virtualGraphMode": "virtual_graph_mode",
-    "enablePipelining": "pipeline.enabled",
-    "autoRecomputation": "pipeline.recomputation",
-    "enableGradientAccumulation": "accumulation.factor",
-    "accumulationFactor": "accumulation.factor",
-    "accumulationAndReplicationReductionType": "accumulation.reduction",
-    "meanAccumulationAndReplicationReductionStrategy": "accumulation.mean_strategy",
-    "enableReplicatedGraphs": "replication.local_factor",
-    "replicatedGraphCount": "replication.local_factor",
-    "enableDistributedReplicatedGraphs": "replication.global_factor",
-    "globalReplicationFactor": "replication.global_factor",
-    "globalReplicaOffset": "replication.global_offset",
-    "partialsTypeMatMuls": "precision.partials_type",
-    "enableStochasticRounding": "precision.stochastic_rounding",
-    "instrumentWithHardwareCycleCounter": "profiling.cycle_counter",
-}
-# Keys of map options that typed fields set; other keys of these maps pass through.
-CONTROLLED_MAP_KEYS: dict[tuple[str, str], str] = {
-    ("engineOptions", "autoReport.all"): "profiling.auto_report_dir",
-    ("engineOptions", "autoReport.directory"): "profiling.auto_report_dir",
-    ("convolutionOptions", "partialsType"): "precision.partials_type",
-}
-# Names people reach for that are not SessionOptions attributes.
-ELSEWHERE: dict[str, str] = {
-    "batchesPerStep": "batches_per_step (PopART DataFlow)",
-    "numIpus": "ipus_per_replica and replication.local_factor (device request)",
-    "tilesPerIpu": "device.tiles_per_ipu", "tilesPerIPU": "device.tiles_per_ipu",
-    "syncPattern": "device.sync_pattern", "connectionType": "device.connection",
-    "enableExplicitIR": "useHostCopyOps, enableExplicitMainLoops and explicitRecomputation "
-                        "(what the enableExplicitIR method sets)",
-}
 VALID_GCL_OPTIONS = ("useSynclessCollectives", "maxBytesPerTile")
 
 
@@ -372,17 +339,18 @@ def _option_loc(name: str, key: str | None = None) -> str:
 
 
 @_rule
-def _known_options(cfg: SessionConfig) -> Iterator[Problem]:
+def _known_options(cfg: SessionFields) -> Iterator[Problem]:
     for name, value in cfg.popart_options.items():
         loc = _option_loc(name)
-        if name in CONTROLLED_OPTIONS:
-            field = CONTROLLED_OPTIONS[name]
+        if name in catalog.CONTROLLED_OPTIONS:
+            field = catalog.CONTROLLED_OPTIONS[name]
             yield _error(loc, f"{name} is set by the typed field {field}.",
                          f"remove {short(name)} from popart_options and set {field} instead.",
                          "K-option-controlled", **{name: value})
-        elif name in ELSEWHERE:
+        elif name in catalog.ELSEWHERE:
             yield _error(loc, f"{name} is not a SessionOptions attribute.",
-                         f"set {ELSEWHERE[name]} instead.", "K-option-elsewhere", **{name: value})
+                         f"set {catalog.ELSEWHERE[name]} instead.", "K-option-elsewhere",
+                         **{name: value})
         elif name not in catalog.OPTIONS:
             close = difflib.get_close_matches(name, catalog.OPTIONS, n=3, cutoff=0.6) if len(
                 name) <= 100 else []  # no option name is that long; matching would cost more
@@ -401,15 +369,15 @@ def _known_options(cfg: SessionConfig) -> Iterator[Problem]:
                                f"use {catalog.DEPRECATED[name]}.", "K-option-deprecated")
             if isinstance(value, dict):
                 for key in value:
-                    if (name, key) in CONTROLLED_MAP_KEYS:
-                        field = CONTROLLED_MAP_KEYS[(name, key)]
+                    if (name, key) in catalog.CONTROLLED_MAP_KEYS:
+                        field = catalog.CONTROLLED_MAP_KEYS[(name, key)]
                         yield _error(_option_loc(name, key),
                                      f"{name}[{short(key)}] is set by the typed field {field}.",
                                      f"remove it and set {field} instead.",
                                      "K-option-controlled", **{f"{name}.{key}": value[key]})
 
 
-def _opt(cfg: SessionConfig, name: str) -> Any:
+def _opt(cfg: SessionFields, name: str) -> Any:
     """A popart_options value if it is present and well typed, else PopART's default."""
     value = cfg.popart_options.get(name)
     if value is None or catalog.type_problem(name, value):
@@ -417,7 +385,7 @@ def _opt(cfg: SessionConfig, name: str) -> Any:
     return value
 
 
-def _struct_field(cfg: SessionConfig, name: str, field: str) -> Any:
+def _struct_field(cfg: SessionFields, name: str, field: str) -> Any:
     given = cfg.popart_options.get(name)
     if isinstance(given, dict) and field in given and not catalog.type_problem(name, given):
         return given[field]
@@ -425,7 +393,7 @@ def _struct_field(cfg: SessionConfig, name: str, field: str) -> Any:
 
 
 @_rule
-def _option_rules(cfg: SessionConfig) -> Iterator[Problem]:
+def _option_rules(cfg: SessionFields) -> Iterator[Problem]:
     """PopART's checks on options set through popart_options (V11-V17, V28-V30, V38-V44, V48)."""
     o = lambda name: _opt(cfg, name)  # noqa: E731
     vgm, ipus, acc = cfg.virtual_graph_mode, cfg.ipus_per_replica, cfg.accumulation.factor

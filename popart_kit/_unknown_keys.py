@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from . import _popart_catalog as catalog
 from ._problems import Problem
 from .errors import short
 
@@ -88,13 +89,11 @@ def _unknown_problem(model: type, prefix: str, key: Any, value: Any) -> Problem:
 def _popart_hint(name: str) -> tuple[str, bool] | tuple[()]:
     """For a top-level key that is (close to) a PopART SessionOptions name: where it goes, and
     whether the name is exactly PopART's."""
-    from . import _popart_catalog as catalog
-    from ._rules import CONTROLLED_OPTIONS, ELSEWHERE
-
-    if name in CONTROLLED_OPTIONS:
-        return f"PopART's {name} is set by the typed field {CONTROLLED_OPTIONS[name]}.", True
-    if name in ELSEWHERE:
-        return f"PopART's {name} is set by {ELSEWHERE[name]}.", True
+    if name in catalog.CONTROLLED_OPTIONS:
+        field = catalog.CONTROLLED_OPTIONS[name]
+        return f"PopART's {name} is set by the typed field {field}.", True
+    if name in catalog.ELSEWHERE:
+        return f"PopART's {name} is set by {catalog.ELSEWHERE[name]}.", True
     close = did_you_mean(name, catalog.OPTIONS, n=2)
     if close:
         return (f"a PopART SessionOptions attribute goes in popart_options: did you mean "

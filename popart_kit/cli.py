@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from ._problems import PopartKitWarning
-from .errors import ConfigError, PopartKitError, clip
-from ._render import allocation_view, plan_view, problems_view
+from ._render import problems_view
 from .config import SessionConfig
+from .errors import ConfigError, PopartKitError, clip
+from .plan import plan_view
 
 __all__ = ["main"]
 
@@ -121,7 +122,7 @@ def _show_plan(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     """The model's device allocation and every problem of the model under the config."""
     from ._model_check import model_problems
-    from .layout import PipelineLayout, load_model
+    from .layout import PipelineLayout, allocation_view, load_model
 
     out, err = Console(), Console(stderr=True)
     as_json = args.json

@@ -29,13 +29,10 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .errors import ConfigError
-from .popdist import PopdistEnv
+from .popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED, PopdistEnv
 
 __all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT"]
 
-COORDINATOR = "POPART_KIT_COORDINATOR"  # read by popart_kit.backends.xla.distributed
-FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
-JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
 FAULT_TIMEOUT = 30.0  # seconds
 _POLL = 0.05
 _KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL

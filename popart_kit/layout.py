@@ -25,9 +25,10 @@ from ._problems import Problem, emit_warnings, raise_errors
 from .errors import ModelError, ModelTypeError, short
 
 if TYPE_CHECKING:
-    from .config import SessionConfig
+    from ._fields import SessionFields
 
-__all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "load_model"]
+__all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "allocation_view",
+           "load_model"]
 
 PIPELINE_STAGE = "__pipeline_stage"
 VIRTUAL_GRAPH = "__ipu_number"
@@ -341,7 +342,7 @@ class PipelineLayout:
 
     # -- against a session ------------------------------------------------------------------
 
-    def problems(self, cfg: SessionConfig) -> list[Problem]:
+    def problems(self, cfg: SessionFields) -> list[Problem]:
         """Every way this model and ``cfg`` disagree (errors and warnings)."""
         out: list[Problem] = []
         ipus, vgm, pipe = cfg.ipus_per_replica, cfg.virtual_graph_mode, cfg.pipeline
@@ -402,7 +403,7 @@ class PipelineLayout:
                                f"this model.", f"set batches_per_step >= {depth}.", "V7"))
         return out
 
-    def check(self, cfg: SessionConfig) -> None:
+    def check(self, cfg: SessionFields) -> None:
         """Raise one ValueError listing every error of this model under ``cfg``; warn the rest."""
         found = self.problems(cfg)
         raise_errors("PipelineLayout.check", found)
@@ -423,10 +424,29 @@ class PipelineLayout:
 
     def allocation_table(self) -> str:
         """The device allocation as text: which ops sit on which stage and IPU."""
-        from ._render import allocation_view, to_text
+        from ._render import to_text
 
         return to_text(allocation_view(self))
 
     def __repr__(self) -> str:
         return (f"PipelineLayout(forward_stages={self.forward_stages}, "
                 f"stage_ipu={self.stage_ipu}, ops={len(self.ops)})")
+
+
+def allocation_view(layout: PipelineLayout) -> Any:
+    """Which ops sit on which stage and IPU, in model order (as PopART apps print it), as a
+    rich table."""
+    from rich.table import Table
+
+    from ._render import cell
+
+    how = " (stages inferred from IPUs)" if layout.inferred else ""
+    table = Table(title=f"Device allocation: {layout.forward_stages} forward stages{how}",
+                  title_justify="left")
+    for column, justify in (("stage", "right"), ("IPU", "right"), ("ops", "right"),
+                            ("first … last op", "left")):
+        table.add_column(column, justify=justify)
+    for stage, ipu, names in layout.allocation():
+        span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        table.add_row(cell(stage), cell(ipu), str(len(names)), span)
+    return table

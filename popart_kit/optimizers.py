@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from ._problems import Problem, raise_errors
-from .config import _Model
+from ._fields import _Model
 from .errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:  # the update maths imports JAX only when a session runs it

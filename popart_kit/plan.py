@@ -17,9 +17,12 @@ from ._arith import bubble_fraction, next_power_of_two, pipeline_depth, pipeline
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import SessionConfig
+    from ._fields import SessionFields
 
-__all__ = ["Plan", "ReplicaPlacement", "ReplicaTable", "sync_groups"]
+__all__ = ["Plan", "ReplicaPlacement", "ReplicaTable", "plan_view", "sync_groups"]
+
+#: Replicas listed in the plan's table; the rest are counted.
+MAX_REPLICA_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: SessionConfig, micro_batch_size: int | None = None) -> Plan:
+    def from_config(cls, cfg: SessionFields, micro_batch_size: int | None = None) -> Plan:
         """The plan of ``cfg``; ``micro_batch_size`` stands in where the config leaves it
         unset (a session passes the one its model's inputs have)."""
         rep, acc, bps = cfg.replication, cfg.accumulation.factor, cfg.batches_per_step
@@ -281,6 +284,67 @@ class Plan:
 
     def render(self, width: int = 100) -> str:
         """Readable tables of the plan (what ``popart-kit plan`` prints)."""
-        from ._render import render_plan
+        from ._render import to_text
 
-        return render_plan(self, width)
+        return to_text(plan_view(self), width)
+
+
+def plan_view(plan: Plan) -> Any:
+    """The plan as rich tables: topology, batches, pipeline, replicas, sync groups, warnings."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from ._render import pairs
+
+    parts: list[Any] = [Text(f"{plan.mode} session on target {plan.target!r}", style="bold")]
+    request = f"{plan.ipus_to_request}" + (
+        f" ({plan.idle_ipus} idle: rounded up to a power of two)" if plan.idle_ipus else "")
+    parts.append(pairs("Topology", [
+        ("instances", plan.instances),
+        ("this instance", plan.instance_index),
+        ("replicas per instance", plan.local_replicas),
+        ("replicas in all", plan.global_replicas),
+        ("IPUs per replica", plan.ipus_per_replica),
+        ("IPUs this instance uses", plan.num_ipus),
+        ("IPUs this instance requests", request),
+        ("IPUs all instances use", plan.global_num_ipus),
+    ]))
+    parts.append(pairs("Batches", [
+        ("batches per step (device iterations)", plan.batches_per_step),
+        ("accumulation factor", plan.accumulation_factor),
+        ("micro-batch size", plan.micro_batch_size),
+        ("micro-batches per run (per input)", plan.micro_batches_per_step),
+        ("samples per run, this instance", plan.samples_per_step),
+        ("samples per run, all instances", plan.global_samples_per_step),
+        ("global batch size (per weight update)", plan.global_batch_size),
+        ("weight updates per run", plan.weight_updates_per_step),
+    ]))
+    if plan.pipelined:
+        bubble = None if plan.bubble_fraction is None else f"{100 * plan.bubble_fraction:.1f}%"
+        parts.append(pairs("Pipeline", [
+            ("forward stages", plan.pipeline_stages if plan.pipeline_stages is not None
+             else "from the model"),
+            ("depth (stages PopART runs)", plan.pipeline_depth),
+            ("bubble", bubble),
+        ]))
+    replicas = Table(title="Replicas", title_justify="left")
+    for column in ("instance", "global id", "local id", "device IPUs"):
+        replicas.add_column(column, justify="right")
+    for r in plan.replicas[:MAX_REPLICA_ROWS]:
+        mark = "bold" if r.instance == plan.instance_index else "dim"
+        replicas.add_row(str(r.instance), str(r.global_id), str(r.local_id),
+                         ",".join(map(str, r.ipus)), style=mark)
+    if len(plan.replicas) > MAX_REPLICA_ROWS:
+        replicas.caption = f"… {len(plan.replicas) - MAX_REPLICA_ROWS} more replicas"
+    parts.append(replicas)
+    sync = Table(title=f"Sync groups ({plan.sync_pattern})", title_justify="left")
+    sync.add_column("group")
+    sync.add_column("IPU sets of this instance")
+    for name, groups in plan.sync_groups.items():
+        sync.add_row(name, "  ".join("{" + ",".join(map(str, g)) + "}" for g in groups))
+    parts.append(sync)
+    if plan.warnings:
+        parts.append(Text("Warnings", style="bold yellow"))
+        parts += [Text(f"  • {w}", style="yellow") for w in plan.warnings]
+    return Group(*parts)

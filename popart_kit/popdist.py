@@ -13,14 +13,13 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pydantic import ValidationError
 
+from ._fields import MAX_COUNT, Replication, SessionFields, read_popdist_with
+from ._rules import MAX_GLOBAL_IPUS
 from .errors import ConfigError, short
-
-if TYPE_CHECKING:
-    from .config import Replication, SessionConfig
 
 __all__ = ["PopdistEnv"]
 
@@ -30,6 +29,10 @@ OFFSET = "POPDIST_REPLICA_INDEX_OFFSET"
 IPUS = "POPDIST_NUM_IPUS_PER_REPLICA"
 UNIFORM = "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE"
 LOCAL_INSTANCE = "POPDIST_LOCAL_INSTANCE_INDEX"
+# What popart-kit launch adds for the xla backend's instances (read by its distributed module):
+COORDINATOR = "POPART_KIT_COORDINATOR"  # where the instances meet
+FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
+JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
 _REQUIRED = (TOTAL, LOCAL, OFFSET, IPUS)
 _DECIMAL = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, "_", spaces or other scripts
 _FIX = ("Fix: start the program with poprun (or popart-kit launch), which sets all of them "
@@ -56,9 +59,6 @@ class PopdistEnv:
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> PopdistEnv:
         """Parse the variables; every missing, malformed or inconsistent one is reported at once."""
-        from ._rules import MAX_GLOBAL_IPUS
-        from .config import MAX_COUNT
-
         env = os.environ if env is None else env
         if not isinstance(env, Mapping):
             raise ConfigError(f"env must be a mapping of variable names to strings, got "
@@ -103,8 +103,7 @@ class PopdistEnv:
         return found
 
     def replication(self) -> Replication:
-        from .config import Replication
-
+        """The Replication these variables describe; refuses inconsistent ones."""
         try:
             return Replication(local_factor=self.local_replicas, global_factor=self.total_replicas,
                                global_offset=self.replica_index_offset)
@@ -115,14 +114,12 @@ class PopdistEnv:
                 f"{self.local_replicas}, {OFFSET}={self.replica_index_offset} is inconsistent: "
                 f"{details}", rule="K-popdist-env") from None
 
-    def apply(self, cfg: SessionConfig) -> SessionConfig:
+    def apply(self, cfg: SessionFields) -> Any:
         """``cfg`` with replication and ipus_per_replica taken from this environment.
 
         The environment fills what the config leaves at its default; a config value set to
         something else that disagrees with the environment is a conflict, reported (all of
         them at once) naming both values rather than silently replaced."""
-        from .config import Replication
-
         conflicts = []
         if cfg.ipus_per_replica not in (1, self.ipus_per_replica):
             stages = (f" and pipeline.stages={cfg.pipeline.stages}"
@@ -145,7 +142,7 @@ class PopdistEnv:
         return cfg.updated(replication=found, ipus_per_replica=self.ipus_per_replica)
 
     @classmethod
-    def for_config(cls, cfg: SessionConfig) -> PopdistEnv:
+    def for_config(cls, cfg: SessionFields) -> PopdistEnv:
         """What poprun sets for the instance ``cfg`` describes (all instances on one host)."""
         rep = cfg.replication
         return cls(rep.global_replicas, rep.local_factor, rep.global_offset,
@@ -156,3 +153,6 @@ class PopdistEnv:
                 LOCAL: str(self.local_replicas), UNIFORM: "1",
                 OFFSET: str(self.replica_index_offset),
                 LOCAL_INSTANCE: str(self.local_instance_index)}
+
+
+read_popdist_with(lambda env: PopdistEnv.read(env).replication())

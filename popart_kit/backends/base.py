@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,9 +16,17 @@ if TYPE_CHECKING:
     from ..shapes import AnchorReturnType
     from ..stepio import StepIOFactory
 
-__all__ = ["Backend", "TrainingBackend", "make_backend", "check_weights", "BACKENDS"]
+__all__ = ["Backend", "TrainingBackend", "make_backend", "check_weights", "BACKENDS",
+           "IMPLEMENTATIONS"]
 
 BACKENDS = ("auto", "xla", "popart")
+#: Where each backend's class lives ("module:class"), imported only once chosen: importing
+#: popart_kit imports neither JAX nor the SDK. The xla backend trains with a class of its own.
+IMPLEMENTATIONS = {
+    "popart": f"{__package__}.popart_sdk:PopartBackend",
+    "xla": f"{__package__}.xla.runtime:XlaBackend",
+    "xla training": f"{__package__}.xla.training:XlaTrainingBackend",
+}
 
 
 class Backend(Protocol):
@@ -95,18 +104,14 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
     if name == "auto":
         name = "popart" if popart is not None or _sdk_importable() else "xla"
     if name == "popart":
-        from .popart_sdk import PopartBackend
-
         if xla_options:
             raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in xla_options.items())}: "
                              f"only the xla backend takes these (PopART has no equivalent). "
                              f"Fix: leave them out with backend={name!r}.",
                               rule="K-xla-only")
-        return PopartBackend(model, config, anchors, popart, loss=loss, optimizer=optimizer)
+        return pkgutil.resolve_name(IMPLEMENTATIONS["popart"])(
+            model, config, anchors, popart, loss=loss, optimizer=optimizer)
     if loss is not None:
-        from .xla.training import XlaTrainingBackend
-
-        return XlaTrainingBackend(model, config, anchors, loss, optimizer, **xla_options)
-    from .xla.runtime import XlaBackend
-
-    return XlaBackend(model, config, anchors, **xla_options)
+        return pkgutil.resolve_name(IMPLEMENTATIONS["xla training"])(
+            model, config, anchors, loss, optimizer, **xla_options)
+    return pkgutil.resolve_name(IMPLEMENTATIONS["xla"])(model, config, anchors, **xla_options)

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, reject, settings
 import popart_kit as pk
 from popart_kit import _names
 from popart_kit import _popart_catalog as catalog
-from popart_kit import _rules
 from strategies import config_dicts
 
 try:  # tests/contract is not a package today; keep working if it becomes one
@@ -150,7 +149,7 @@ def test_to_popart_dict_names_and_types(cfg):
     assert not set(d) & BROKEN_OPTIONS
     problems = {k: p for k, v in d.items() if (p := plain_problem(OPTIONS[k]["type"], v))}
     assert not problems, problems
-    assert set(_rules.CONTROLLED_OPTIONS) <= set(d)
+    assert set(catalog.CONTROLLED_OPTIONS) <= set(d)
     for name in ("engineOptions", "convolutionOptions"):
         assert OPTIONS[name]["type"] == "map[str,str]" and type(d[name]) is dict
 
@@ -315,11 +314,11 @@ def test_catalog_defaults_load_into_strict_popart():
 
 
 def test_controlled_options_exist():
-    missing = sorted(set(_rules.CONTROLLED_OPTIONS) - set(OPTIONS))
+    missing = sorted(set(catalog.CONTROLLED_OPTIONS) - set(OPTIONS))
     assert not missing, missing
-    for name, _key in _rules.CONTROLLED_MAP_KEYS:
+    for name, _key in catalog.CONTROLLED_MAP_KEYS:
         assert OPTIONS[name]["type"] == "map[str,str]", name
-    wrongly_elsewhere = sorted(set(_rules.ELSEWHERE) & set(OPTIONS))
+    wrongly_elsewhere = sorted(set(catalog.ELSEWHERE) & set(OPTIONS))
     assert not wrongly_elsewhere, f"real SessionOptions attributes: {wrongly_elsewhere}"
 
 

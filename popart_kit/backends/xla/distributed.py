@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, PopartKitError
-from ...launcher import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED
+from ...popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED
 
 __all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "World", "world",
            "initialize", "watching", "InstanceFailed"]

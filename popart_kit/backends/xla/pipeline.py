@@ -80,6 +80,7 @@ from ...schedule import Action, PipelineSchedule, measured_bubble
 from .lowering import LoweredGraph
 from .memory import check_fits
 from .placement import REPLICA, replica_devices
+from . import stage_worker
 from .steps import vmap
 
 __all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE", "WORKERS"]
@@ -88,8 +89,6 @@ __all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE", "W
 RECOMPUTE = frozenset({"standard", "recompute_all", "pipeline"})
 #: Where stages run: threads of this process (one virtual device each), or worker processes.
 WORKERS = ("threads", "processes")
-#: Set in a stage worker process (stage_processes.py): its one device stands for every stage.
-STAGE_WORKER = False
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,7 @@ def executor_for(backend: Any, workers: str = "threads",
         return None, f"the loss {backend.loss!r} is not computed on the last stage"
     devices = jax.devices()
     k = len(stages)
-    if STAGE_WORKER:
+    if stage_worker.STAGE_WORKER:
         return PipelineExecutor(backend, stages, [devices[:1]] * k), ""
     if workers == "processes":
         from .stage_processes import StageProcesses
@@ -262,35 +261,6 @@ def _merge(trees: list[Any], every: set[str]) -> Any:
     if keys and set(keys) <= every:
         return {k: v for t in trees for k, v in t.items()}
     return {k: _merge([t[k] for t in trees if k in t], every) for k in keys}
-
-
-class _Board:
-    """Values passed between the workers: put once, taken once."""
-
-    def __init__(self) -> None:
-        self._values: dict[Any, Any] = {}
-        self._ready = threading.Condition()
-        self.failed: BaseException | None = None
-
-    def put(self, key: Any, value: Any) -> None:
-        with self._ready:
-            self._values[key] = value
-            self._ready.notify_all()
-
-    def take(self, key: Any) -> Any:
-        with self._ready:
-            while key not in self._values:
-                if self.failed is not None:
-                    raise RuntimeError("another stage failed") from self.failed
-                self._ready.wait(0.5)
-            return self._values.pop(key)
-
-    def fail(self, error: BaseException) -> None:
-        """Stop the run: every take raises from now on. The first failure is the one kept."""
-        with self._ready:
-            if self.failed is None:
-                self.failed = error
-            self._ready.notify_all()
 
 
 class PipelineExecutor:
@@ -626,7 +596,7 @@ class PipelineExecutor:
                  for s in range(len(self.stages))]
         accs = [{k: jnp.zeros_like(w[k]) for k in self._trained(st)} if self.training else None
                 for st, w in zip(self.stages, weights, strict=True)]
-        board = _Board()
+        board = stage_worker.Board()
         outputs: dict[tuple[str, int], Any] = {}  # (tensor, micro-batch) -> value kept
         trace: list[tuple[Action, int, float, float]] = []
         ctx = dict(streams=streams, weights=weights, states=states, hyper=hyper, accs=accs,

@@ -142,7 +142,9 @@ class XlaBackend:
 
     def _worker_spec(self) -> dict[str, Any]:
         """What a stage worker process needs to rebuild this backend (stage_processes.py)."""
-        return dict(model=self.model.SerializeToString(), config=self.config,
+        cls = type(self)
+        return dict(backend=f"{cls.__module__}:{cls.__qualname__}",
+                    model=self.model.SerializeToString(), config=self.config,
                     anchors=self.anchors, loss=getattr(self, "loss", None),
                     optimizer=getattr(self, "optimizer", None))
 

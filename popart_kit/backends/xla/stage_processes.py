@@ -12,12 +12,12 @@ runs its stage with its own tiles.
 nothing of the user's script is imported again, and neither the working directory nor a
 script's is on their ``sys.path``; they import this package from where the session's process
 did) with socket pairs to it and between neighbouring stages. Each worker rebuilds the same
-backend from the model and the session's arguments and keeps its stage's compiled programs. A
-run sends each worker its stage's stream inputs, committed weights, optimizer state and
-hyperparameters; the workers run the schedule's actions of their stage, sending activations
-forward and gradients backward (a sender thread per link, so a send never blocks a stage), and
-return their anchors, new weights and state and their trace. The session's process checks and
-commits as for threads, so a run stays atomic.
+backend (the class its start message names) from the model and the session's arguments and
+keeps its stage's compiled programs. A run sends each worker its stage's stream inputs,
+committed weights, optimizer state and hyperparameters; the workers run the schedule's
+actions of their stage, sending activations forward and gradients backward (a sender thread per
+link, so a send never blocks a stage), and return their anchors, new weights and state and
+their trace. The session's process checks and commits as for threads, so a run stays atomic.
 
 **Failure.** A worker that fails reports its error; a worker that dies or falls silent past
 the deadline is named. Either way every worker is stopped (the next run starts new ones) and
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import pkgutil
 import queue
 import select
 import signal
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import PopartKitError
-from .pipeline import _Board
+from . import stage_worker
 
 __all__ = ["StageProcesses", "WorkerDevice", "default_threads"]
 
@@ -302,7 +303,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], links: list[_Link]) -> None:
 
 # -- the worker side ----------------------------------------------------------------------------
 
-class _PipeBoard(_Board):
+class _PipeBoard(stage_worker.Board):
     """The threaded executor's board across processes: activations go to the next stage and
     gradients to the one before, and what arrives is received, unpickled and put on the device
     by a thread per link while the stage computes; stashes stay here."""
@@ -338,23 +339,19 @@ class _PipeBoard(_Board):
 
 
 def _backend(spec: dict[str, Any]) -> Any:
+    """The session's backend rebuilt: the class its start message names ("module:qualname")
+    from the model and the session's arguments."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
     jax.devices()  # start JAX with one device, before the backend asks for more
-    from . import pipeline
-    from .training import XlaTrainingBackend
-
-    pipeline.STAGE_WORKER = True
+    stage_worker.STAGE_WORKER = True
     import onnx
 
     model = onnx.load_from_string(spec["model"])
-    if spec["loss"] is not None:
-        return XlaTrainingBackend(model, spec["config"], spec["anchors"], spec["loss"],
-                                  spec["optimizer"])
-    from .runtime import XlaBackend
-
-    return XlaBackend(model, spec["config"], spec["anchors"])
+    training = () if spec["loss"] is None else (spec["loss"], spec["optimizer"])
+    return pkgutil.resolve_name(spec["backend"])(model, spec["config"], spec["anchors"],
+                                                 *training)
 
 
 def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
