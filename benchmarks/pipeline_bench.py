@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import popart_kit as pk  # noqa: E402
-from popart_kit.bench import interleaved  # noqa: E402
+from popart_kit.bench import interleaved
 
 
 def model(stages: int, width: int, layers: int, micro: int):

@@ -42,7 +42,7 @@ import numpy as np
 import onnxruntime as ort
 
 import popart_kit as pk
-from popart_kit.backends.xla import compilation_cache, placement
+from popart_kit._runtime.xla import compilation_cache, placement
 
 MICRO_BATCH = 32
 

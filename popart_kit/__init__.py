@@ -12,31 +12,30 @@ from typing import TYPE_CHECKING, Any
 # so configuration-only use (SessionConfig, plan, the CLI's plan/check/schema) never pays for
 # the Builder's onnx or the runtime's JAX.
 _HOMES = {
-    "._problems": ("PopartKitWarning",),
+    "._base.problems": ("PopartKitWarning",),
     ".errors": ("PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
                 "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
                 "InvalidData", "FileWriteError"),
-    ".builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder", "ReductionType",
-                 "ReplicatedStreamMode", "TensorInfo"),
-    ".config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling", "Replication",
-                "SessionConfig"),
-    ".layout": ("PipelineLayout",),
+    "._model.builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder",
+                        "ReductionType", "ReplicatedStreamMode", "TensorInfo"),
+    "._config.session_config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling",
+                                "Replication", "SessionConfig"),
+    "._model.layout": ("PipelineLayout",),
     ".launcher": ("launch",),
-    ".optimizers": ("SGD", "Adam"),
-    ".plan": ("Plan", "ReplicaPlacement"),
-    ".schedule": ("PipelineSchedule",),
-    ".popdist": ("PopdistEnv",),
-    ".precision": ("to_half",),
-    ".session": ("InferenceSession", "TrainingSession"),
-    ".shapes": ("AnchorReturnType", "anchor_elements", "anchor_shape", "input_elements",
-                "input_shape"),
-    ".stepio": ("CallbackFeeder", "RunBatches", "StepIOFactory", "TensorSpec"),
+    "._runtime.optimizers": ("SGD", "Adam"),
+    "._config.plan": ("Plan", "ReplicaPlacement"),
+    "._base.schedule": ("PipelineSchedule",),
+    "._config.popdist": ("PopdistEnv",),
+    "._model.precision": ("to_half",),
+    "._runtime.session": ("InferenceSession", "TrainingSession"),
+    "._base.shapes": ("AnchorReturnType", "anchor_elements", "anchor_shape", "input_elements",
+                      "input_shape"),
+    "._host.stepio": ("CallbackFeeder", "RunBatches", "StepIOFactory", "TensorSpec"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 if TYPE_CHECKING:
-    from . import bench
-    from ._problems import PopartKitWarning
+    from ._base.problems import PopartKitWarning
     from .errors import (
         ConfigError,
         ConfigTypeError,
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
         ModelTypeError,
         PopartKitError,
     )
-    from .builder import (
+    from ._model.builder import (
         Builder,
         BuilderError,
         InputSettings,
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
         ReplicatedStreamMode,
         TensorInfo,
     )
-    from .config import (
+    from ._config.session_config import (
         Accumulation,
         Device,
         Pipeline,
@@ -70,15 +69,21 @@ if TYPE_CHECKING:
         SessionConfig,
     )
     from .launcher import launch
-    from .layout import PipelineLayout
-    from .optimizers import SGD, Adam
-    from .plan import Plan, ReplicaPlacement
-    from .popdist import PopdistEnv
-    from .precision import to_half
-    from .schedule import PipelineSchedule
-    from .session import InferenceSession, TrainingSession
-    from .shapes import AnchorReturnType, anchor_elements, anchor_shape, input_elements, input_shape
-    from .stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
+    from ._model.layout import PipelineLayout
+    from ._runtime.optimizers import SGD, Adam
+    from ._config.plan import Plan, ReplicaPlacement
+    from ._config.popdist import PopdistEnv
+    from ._model.precision import to_half
+    from ._base.schedule import PipelineSchedule
+    from ._runtime.session import InferenceSession, TrainingSession
+    from ._base.shapes import (
+        AnchorReturnType,
+        anchor_elements,
+        anchor_shape,
+        input_elements,
+        input_shape,
+    )
+    from ._host.stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
 __version__ = "0.1.0"
 
@@ -136,7 +141,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _HOME_OF.get(name)
-    if module is None:  # a submodule, as after an eager import: pk.builder, pk.backends, ...
+    if module is None:  # a submodule, as after an eager import: pk.bench, pk.popart, ...
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as err:

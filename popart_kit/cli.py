@@ -17,11 +17,11 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.console import Console
 
-from ._problems import PopartKitWarning
-from ._render import problems_view
-from .config import SessionConfig
+from ._base.problems import PopartKitWarning
+from ._base.render import problems_view
+from ._config.session_config import SessionConfig
 from .errors import ConfigError, PopartKitError, clip
-from .plan import plan_view
+from ._config.plan import plan_view
 
 __all__ = ["main"]
 
@@ -121,8 +121,8 @@ def _show_plan(args: argparse.Namespace) -> int:
 @_quietly
 def _check(args: argparse.Namespace) -> int:
     """The model's device allocation and every problem of the model under the config."""
-    from ._model_check import model_problems
-    from .layout import PipelineLayout, allocation_view, load_model
+    from ._model.checks import model_problems
+    from ._model.layout import PipelineLayout, allocation_view, load_model
 
     out, err = Console(), Console(stderr=True)
     as_json = args.json
@@ -193,7 +193,7 @@ def _poprun(args: argparse.Namespace) -> int:
 @_quietly
 def _ipujob(args: argparse.Namespace) -> int:
     """A Kubernetes IPUJob as YAML on stdout, for ``kubectl create -f -``."""
-    from ._job_artefacts import k8s_name
+    from ._config.job_artefacts import k8s_name
 
     cfg = _load(args.config, Console(stderr=True))
     if cfg is None:
@@ -213,7 +213,7 @@ def _report_dir(args: argparse.Namespace) -> int:
     """A table of what an xla session wrote to profiling.auto_report_dir."""
     from rich.table import Table
 
-    from .backends.xla.profiling import summary
+    from ._runtime.xla.profiling import summary
 
     table = Table(title=f"xla profile: {args.dir}")
     table.add_column("what")

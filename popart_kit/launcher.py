@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .errors import ConfigError
-from .popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED, PopdistEnv
+from ._config.popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED, PopdistEnv
 
 __all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT"]
 

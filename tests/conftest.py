@@ -15,6 +15,6 @@ if "POPART_KIT_COMPILATION_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 # Give JAX its virtual CPU devices before any test initialises it, as a session would.
-from popart_kit.backends.xla.placement import ensure_host_devices  # noqa: E402
+from popart_kit._runtime.xla.placement import ensure_host_devices
 
 ensure_host_devices()

@@ -6,8 +6,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from popart_kit import _names
-from popart_kit import _popart_catalog as catalog
+from popart_kit._base import names as _names
+from popart_kit._config import catalog
 
 ENUMS = catalog.ENUMS
 

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import popart_kit as pk
-from popart_kit.layout import PipelineLayout
+from popart_kit._model.layout import PipelineLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla.profiling import REPORT
+from popart_kit._runtime.xla.profiling import REPORT
 from popart_kit.bench import MAX_LAYERS, MAX_MODEL_BYTES, MAX_REPEAT, MAX_VARIANTS
 from popart_kit.cli import LISTED, main
 

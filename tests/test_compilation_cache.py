@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from popart_kit.backends.xla.compilation_cache import (
+from popart_kit._runtime.xla.compilation_cache import (
     CACHE_VARIABLE,
     MAX_BYTES_VARIABLE,
     MIN_SECONDS_VARIABLE,
@@ -21,7 +21,7 @@ from popart_kit.backends.xla.compilation_cache import (
 PROGRAMS = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("always")
-    from popart_kit.backends.xla.placement import ensure_host_devices
+    from popart_kit._runtime.xla.placement import ensure_host_devices
     ensure_host_devices()
     ensure_host_devices()  # as a second session would: a warning comes once
     import jax, jax.numpy as jnp

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla.distributed import world
+from popart_kit._runtime.xla.distributed import world
 from popart_kit.launcher import LaunchError, launch, topology
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "distributed_training.py"

@@ -18,8 +18,8 @@ from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 import popart_kit as pk
-from popart_kit._index_check import IndexChecks
-from popart_kit._model_check import check_model
+from popart_kit._model.index_check import IndexChecks
+from popart_kit._model.checks import check_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 
@@ -191,7 +191,7 @@ def models(draw):
 @fuzz("models")
 @given(models())
 def test_models_give_only_the_kits_errors(proto):
-    from popart_kit.backends.xla.lowering import lower
+    from popart_kit._runtime.xla.lowering import lower
 
     try:
         check_model(proto)

@@ -265,7 +265,7 @@ def test_every_graph_problem_is_reported_at_once():
 
 
 def test_a_lowering_failure_names_the_node_and_its_input_shapes():
-    from popart_kit.backends.xla.lowering import NodeFailed, lower
+    from popart_kit._runtime.xla.lowering import NodeFailed, lower
 
     # unknown input dimensions pass the checker; the mismatch shows when the sizes are known
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, "n"])
@@ -282,7 +282,7 @@ def test_a_lowering_failure_names_the_node_and_its_input_shapes():
 
 
 def test_an_input_of_unknown_rank_is_refused():
-    from popart_kit.backends.xla.lowering import UnsupportedModel, lower
+    from popart_kit._runtime.xla.lowering import UnsupportedModel, lower
 
     unknown = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
     proto = model([helper.make_node("Relu", ["x"], ["y"])], inputs=(unknown,))
@@ -414,7 +414,7 @@ def test_every_refusal_is_a_popart_kit_error_and_a_value_error():
     for cls in (pk.ConfigError, pk.ModelError, pk.DataError, pk.InvalidConfig, pk.InvalidModel,
                 pk.InvalidData, pk.ConfigTypeError, pk.ModelTypeError, pk.DataTypeError):
         assert issubclass(cls, pk.PopartKitError) and issubclass(cls, ValueError)
-    from popart_kit.backends.xla.lowering import UnsupportedModel
+    from popart_kit._runtime.xla.lowering import UnsupportedModel
 
     assert issubclass(UnsupportedModel, pk.ModelError)
 

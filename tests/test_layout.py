@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from pydantic import ValidationError
 
 import popart_kit as pk
-from popart_kit.layout import PipelineLayout
+from popart_kit._model.layout import PipelineLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

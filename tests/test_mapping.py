@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 import popart_kit as pk
-from popart_kit._mapping import import_popart
+from popart_kit._config.mapping import import_popart
 from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")

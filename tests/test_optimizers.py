@@ -1,4 +1,4 @@
-"""popart_kit.optimizers against plain-numpy references of PopART's update equations.
+"""popart_kit._runtime.optimizers against plain-numpy references of PopART's update equations.
 
 The references below are written from the equations in PopART's headers (graphcore/popart
 d2f20d78: willow/include/popart/sgd.hpp, adam.hpp, and the test model in
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from popart_kit.optimizers import ADAM_VALUE_KEYS, SGD_VALUE_KEYS, SGD, Adam
+from popart_kit._runtime.optimizers import ADAM_VALUE_KEYS, SGD_VALUE_KEYS, SGD, Adam
 
 API = json.loads((Path(__file__).parent / "contract" / "popart_api.json").read_text())
 SHAPES = {"w0": (3, 4), "w1": (5,), "s": ()}

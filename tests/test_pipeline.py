@@ -10,7 +10,7 @@ import pytest
 
 import popart_kit as pk
 from pipeline_models import LR, MICRO, WIDTH, mlp, session, simulate_continuous
-from popart_kit.backends.xla import pipeline
+from popart_kit._runtime.xla import pipeline
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])
@@ -132,7 +132,7 @@ def test_too_few_devices_falls_back_once_and_refuses_stale_weights(monkeypatch):
 def test_replicas_of_a_stage_on_devices_of_their_own(monkeypatch):
     """R replicas x K stages on R x K devices, where the unpipelined placement gives each
     replica a device (CPU does only when asked: its virtual devices share one thread pool)."""
-    from popart_kit.backends.xla import placement
+    from popart_kit._runtime.xla import placement
 
     monkeypatch.setattr(placement, "CPU_REPLICA_DEVICES", 8)
     for training in (False, True):
@@ -150,7 +150,7 @@ def test_replicas_of_a_stage_on_devices_of_their_own(monkeypatch):
 
 
 def test_a_pipelined_step_that_cannot_fit_is_refused_naming_its_stash(monkeypatch):
-    from popart_kit.backends.xla import memory
+    from popart_kit._runtime.xla import memory
 
     sess, feed = session(3, 2, True, True, bps=1, acc=5)
     parts = sess._backend.pipeline.memory_parts()

@@ -22,10 +22,10 @@ import pytest
 
 import popart_kit as pk
 from pipeline_models import LR, mlp
-from popart_kit.backends.xla import stage_processes, steps
-from popart_kit.backends.xla.pipeline import PipelineExecutor
-from popart_kit.backends.xla.stage_processes import StageProcesses
-from popart_kit.backends.xla.training import NonFiniteUpdate
+from popart_kit._runtime.xla import stage_processes, steps
+from popart_kit._runtime.xla.pipeline import PipelineExecutor
+from popart_kit._runtime.xla.stage_processes import StageProcesses
+from popart_kit._runtime.xla.training import NonFiniteUpdate
 
 MODES = ["threads", "dispatched", "processes", "unpipelined", "unpipelined-host"]
 
@@ -200,7 +200,7 @@ def test_stage_workers_ignore_a_terminals_ctrl_c():
 UNCAUGHT = """
 import signal, sys, threading
 sys.path.insert(0, {tests!r})
-from popart_kit.backends.xla.pipeline import PipelineExecutor
+from popart_kit._runtime.xla.pipeline import PipelineExecutor
 from test_pipeline_state import momentum_session
 
 sess, feed = momentum_session("threads", bps=64)  # the stages have much left to do

@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given, settings
 
 import popart_kit as pk
-from popart_kit.plan import sync_groups
+from popart_kit._config.plan import sync_groups
 from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")

@@ -11,9 +11,9 @@ import onnx
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla import runtime
-from popart_kit.backends.xla.lowering import lower
-from popart_kit.backends.xla.ops import partials
+from popart_kit._runtime.xla import runtime
+from popart_kit._runtime.xla.lowering import lower
+from popart_kit._runtime.xla.ops import partials
 
 RNG = np.random.default_rng(5)
 W1 = (RNG.standard_normal((6, 8)) / 3).astype(np.float32)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import popart_kit as pk
-from popart_kit.schedule import Action, PipelineSchedule, measured_bubble
+from popart_kit._base.schedule import Action, PipelineSchedule, measured_bubble
 
 
 def config(mode: str, stages: int, bps: int, acc: int) -> pk.SessionConfig:

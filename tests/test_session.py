@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 import popart_kit as pk
-from popart_kit.backends.xla import placement
+from popart_kit._runtime.xla import placement
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

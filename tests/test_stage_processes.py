@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla import stage_processes
-from popart_kit.backends.xla.stage_processes import StageWorkerError, WorkerDevice
+from popart_kit._runtime.xla import stage_processes
+from popart_kit._runtime.xla.stage_processes import StageWorkerError, WorkerDevice
 from pipeline_models import LR, mlp, session, simulate_continuous
 
 

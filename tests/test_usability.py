@@ -373,7 +373,7 @@ def test_rules_reference_lists_every_rule_and_is_generated() -> None:
     import re
     from pathlib import Path
 
-    from popart_kit._rule_docs import RULES, markdown
+    from popart_kit._base.rule_docs import RULES, markdown
 
     root = Path(pk.__file__).parent
     used = set()
@@ -381,10 +381,10 @@ def test_rules_reference_lists_every_rule_and_is_generated() -> None:
         used |= set(re.findall(r"[\"'](V\d+|P\d+|P-[a-z-]+|K-[a-z0-9-]+)[\"']",
                                path.read_text()))
     used |= {"K-sgd-finite", "K-adam-finite", "K-adam-beta1", "K-adam-beta2"}  # built names
-    assert used - set(RULES) == set(), "rules without an entry in _rule_docs.RULES"
+    assert used - set(RULES) == set(), "rules without an entry in rule_docs.RULES"
     docs = root.parent / "docs"
     assert (docs / "rules.md").read_text() == markdown(), \
-        "regenerate: python -m popart_kit._rule_docs > docs/rules.md"
+        "regenerate: python -m popart_kit._base.rule_docs > docs/rules.md"
     assert (docs / "design.md").is_file()
 
 

@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import popart_kit as pk
-from popart_kit.backends.xla.lowering import LoweredGraph, UnsupportedModel, lower, unsupported
-from popart_kit.backends.xla.ops import OPS
+from popart_kit._runtime.xla.lowering import LoweredGraph, UnsupportedModel, lower, unsupported
+from popart_kit._runtime.xla.ops import OPS
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
-from popart_kit.backends.xla import compilation_cache, steps
-from popart_kit.backends.xla.anchors import chunk_size
-from popart_kit.backends.xla.compilation_cache import MIN_SECONDS_VARIABLE
-from popart_kit.backends.xla.training import NonFiniteUpdate
+from popart_kit._runtime.xla import compilation_cache, steps
+from popart_kit._runtime.xla.anchors import chunk_size
+from popart_kit._runtime.xla.compilation_cache import MIN_SECONDS_VARIABLE
+from popart_kit._runtime.xla.training import NonFiniteUpdate
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 RNG = np.random.default_rng(3)

@@ -48,7 +48,7 @@ def variants(benchmark: str = "sweep", **params: Any) -> list[Variant]:
 def _validate(found: list[Variant], backend: str, skip_invalid: bool) -> list[dict[str, Any]]:
     """A row per variant: ``ok`` to run, or ``skipped`` with why. Without ``skip_invalid`` any
     invalid variant refuses the whole sweep, every problem listed, before anything runs."""
-    from ..layout import PipelineLayout
+    from .._model.layout import PipelineLayout
     from ._measure import model_of
 
     if backend not in ("xla", "popart"):
@@ -154,8 +154,8 @@ class _no_disk_cache:
     def __enter__(self) -> None:
         import os
 
-        from ..backends.xla import placement
-        from ..backends.xla.compilation_cache import CACHE_VARIABLE
+        from .._runtime.xla import placement
+        from .._runtime.xla.compilation_cache import CACHE_VARIABLE
 
         self.before = os.environ.get(CACHE_VARIABLE)
         if self.before is None:
@@ -171,7 +171,7 @@ class _no_disk_cache:
 
         import jax
 
-        from ..backends.xla.compilation_cache import CACHE_VARIABLE
+        from .._runtime.xla.compilation_cache import CACHE_VARIABLE
 
         jax.config.update("jax_default_matmul_precision", self.precision)
         if self.before is None:

@@ -270,7 +270,7 @@ def _encoder(b, weight, stage, sizes, micro, stages):
 def load_onnx(path: str, training: bool, loss: str | None) -> Built:
     """A given ONNX model: its first graph input is streamed, its first output anchored (no
     hand-written baseline). Training needs the name of its ``loss`` tensor."""
-    from ..layout import load_model
+    from .._model.layout import load_model
 
     model = load_model(path)
     initialised = {i.name for i in model.graph.initializer}

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from .._atomic import write_atomic
+from .._base.atomic import write_atomic
 
 __all__ = ["plot"]
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .._atomic import write_atomic
-from ..backends.xla.profiling import Utf8Text as _Text
+from .._base.atomic import write_atomic
+from .._runtime.xla.profiling import Utf8Text as _Text
 from ..errors import ConfigError, InvalidConfig
 
 __all__ = ["COLUMNS", "efficiencies", "write", "load", "check", "compare"]

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .._config_files import read
+from .._config.files import read
 from ..errors import ConfigError, clip, short
 
 __all__ = ["AXES", "SIZES", "MAX_VARIANTS", "Variant", "product", "count", "from_spec",

@@ -19,7 +19,7 @@ import logging as _logging
 import sys as _sys
 from typing import Any
 
-from ..builder import InputSettings, ReductionType, ReplicatedStreamMode
+from .._model.builder import InputSettings, ReductionType, ReplicatedStreamMode
 from ._builder import Builder
 from ._core import (
     ENUMS,
@@ -76,7 +76,7 @@ def getLogger(name: str = "all") -> Any:
 
 def __getattr__(name: str) -> Any:
     if name in ("InferenceSession", "TrainingSession"):
-        from . import _session  # the kit's sessions (and JAX) only when a session is made
+        from . import _session
 
         return getattr(_session, name)
     raise AttributeError(f"module 'popart' (popart_kit.popart) has no attribute {name!r}")

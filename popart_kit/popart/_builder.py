@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..builder import Builder as _KitBuilder
+from .._model.builder import Builder as _KitBuilder
 from ._core import popart_exception
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _popart_catalog as catalog
-from .._names import GRADIENT_PREFIX
-from ..builder import InputSettings, ReductionType, ReplicatedStreamMode
-from ..builder import TensorInfo as _KitTensorInfo
-from ..shapes import AnchorReturnType as _KitART
+from .._config import catalog
+from .._base.names import GRADIENT_PREFIX
+from .._model.builder import InputSettings, ReductionType, ReplicatedStreamMode
+from .._model.builder import TensorInfo as _KitTensorInfo
+from .._base.shapes import AnchorReturnType as _KitART
 
 
 class popart_exception(ValueError):  # noqa: N801 - PopART's name

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..optimizers import SGD as _KitSGD
-from ..optimizers import Adam as _KitAdam
+from .._runtime.optimizers import SGD as _KitSGD
+from .._runtime.optimizers import Adam as _KitAdam
 from ._core import ENUMS, popart_exception
 
 _SGD_DEFAULTS = {"defaultLearningRate": (0.1, True), "defaultWeightDecay": (0.0, True),

@@ -7,7 +7,7 @@ import types
 import warnings
 from typing import Any
 
-from .. import _popart_catalog as catalog
+from .._config import catalog
 from ._core import ENUMS
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .. import _names
-from .._atomic import write_atomic
-from ..config import SessionConfig
+from .._base import names as _names
+from .._base.atomic import write_atomic
+from .._config.session_config import SessionConfig
 from ..errors import FileWriteError, ModelError, short
-from ..layout import PipelineLayout, load_model
-from ..session import InferenceSession as _KitInference
-from ..session import TrainingSession as _KitTraining
+from .._model.layout import PipelineLayout, load_model
+from .._runtime.session import InferenceSession as _KitInference
+from .._runtime.session import TrainingSession as _KitTraining
 from ._core import (
     RESERVED_PREFIXES,
     AnchorReturnType,

@@ -24,8 +24,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from popart_kit.backends.xla.lowering import UnsupportedModel, lower
-from popart_kit.backends.xla.ops import GRAPHCORE, OPS
+from popart_kit._runtime.xla.lowering import UnsupportedModel, lower
+from popart_kit._runtime.xla.ops import GRAPHCORE, OPS
 
 PASS_RATE = 0.95
 GROUP = 100  # cases per compilation

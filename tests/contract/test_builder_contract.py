@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import popart_kit as pk
-from popart_kit._onnx_ops import signatures
+from popart_kit._model.onnx_ops import signatures
+from popart_kit._model import builder as builder_module
 
 OPS = json.loads((Path(__file__).with_name("popart_builder_ops.json")).read_text())
 API = json.loads((Path(__file__).with_name("popart_api.json")).read_text())
@@ -41,7 +42,7 @@ def test_every_ai_onnx_method_has_popart_s_signature(version):
 
 
 def test_default_opset_is_popart_s():
-    assert OPS["default_ai_onnx_opset"] == pk.builder.DEFAULT_AI_ONNX_OPSET
+    assert OPS["default_ai_onnx_opset"] == builder_module.DEFAULT_AI_ONNX_OPSET
 
 
 @pytest.mark.parametrize("method", ["nllloss", "identityloss", "gelu"])
@@ -101,9 +102,9 @@ def test_input_settings_keyword_is_popart_s_spelling():
 
 
 @pytest.mark.parametrize("method, ours", [
-    ("addInputTensor", pk.builder._ADD_INPUT),
-    ("pipelineStage", pk.builder._PIPELINE_STAGE),
-    ("virtualGraph", pk.builder._VIRTUAL_GRAPH),
+    ("addInputTensor", builder_module._ADD_INPUT),
+    ("pipelineStage", builder_module._PIPELINE_STAGE),
+    ("virtualGraph", builder_module._VIRTUAL_GRAPH),
 ])
 def test_overloads_are_popart_s(method, ours):
     theirs = API["classes"]["Builder"]["overloads"][method]

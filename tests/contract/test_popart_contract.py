@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings
 
 import popart_kit as pk
-from popart_kit import _names
-from popart_kit import _popart_catalog as catalog
+from popart_kit._base import names as _names
+from popart_kit._config import catalog
 from strategies import config_dicts
 
 try:  # tests/contract is not a package today; keep working if it becomes one

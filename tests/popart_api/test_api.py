@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import popart_kit.popart as popart
-from popart_kit import _popart_catalog as catalog
-from popart_kit._graphcore_ops import GRAPHCORE_OPS
+from popart_kit._config import catalog
+from popart_kit._model.graphcore_ops import GRAPHCORE_OPS
 
 CONTRACT = Path(__file__).parent.parent / "contract"
 API = json.loads((CONTRACT / "popart_api.json").read_text())
@@ -213,8 +213,8 @@ def test_builder_stores_float_initializers_as_popart_does():
 
 
 def test_auto_backend_never_takes_this_module_for_the_sdk(monkeypatch):
-    from popart_kit._mapping import import_popart
-    from popart_kit.backends.base import _sdk_importable
+    from popart_kit._config.mapping import import_popart
+    from popart_kit._runtime.backend import _sdk_importable
 
     monkeypatch.setitem(sys.modules, "popart", popart)
     assert not _sdk_importable()

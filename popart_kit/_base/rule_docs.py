@@ -1,0 +1,312 @@
+"""The rule registry: every rule id the kit reports, what it checks and the PopART behaviour it
+mirrors. ``docs/rules.md`` is generated from it (:func:`markdown`; a test keeps them in step)."""
+
+from __future__ import annotations
+
+__all__ = ["RULES", "markdown"]
+
+_KIT = "kit rule: PopART accepts this or fails later"
+
+# id: (what it checks, the PopART behaviour it mirrors)
+RULES: dict[str, tuple[str, str]] = {
+    # -- PopART's own checks (willow sources), reported before anything compiles -------------------
+    "V1": ("Pipelining needs more than one IPU per replica and a virtual graph mode that is "
+           "not off.",
+           "ir.cpp verifyPipelineSettings: 'Pipelining requires more than 1 IPU'."),
+    "V2": ("Pipelining with virtual_graph_mode off.",
+           "transforms/pipeline.cpp: 'Pipelining requires the virtualGraphMode ... not Off'."),
+    "V3": ("Pipeline-stage annotations on a model whose session does not pipeline (warning).",
+           "ir.cpp verifyPipelineSettings silently clears the annotations."),
+    "V4": ("With pipelining, every op has a pipeline stage, or none does.",
+           "ir.cpp: 'Only some ops have had their pipeline stage set'."),
+    "V5": ("Ops of one pipeline stage sit on one IPU (virtual graph).",
+           "ir.cpp: 'Ops ... have the same pipeline stage ..., but different virtual graph ids'."),
+    "V6": ("With accumulation, accumulation.factor is at least the pipeline depth.",
+           "pipeline.cpp: 'depth (gradient accumulation factor) must equal at least the number "
+           "of pipeline stages'."),
+    "V7": ("Without accumulation, batches_per_step is at least the pipeline depth.",
+           "pipeline.cpp: 'depth (batchesPerStep) must equal at least the number of pipeline "
+           "stages'."),
+    "V8": ("Pipeline stages are numbered without gaps.",
+           "ir.cpp getNumPipelineStages: 'stage k is missing'."),
+    "V11": ("Explicit pipelining needs explicitRecomputation, useHostCopyOps and "
+            "enableExplicitMainLoops.",
+            "ExplicitPipelineHelper::compatibilityChecks: 'SessionOption ... must be true'."),
+    "V12": ("enableExplicitMainLoops needs useHostCopyOps.",
+            "ir.cpp verifyExplicitMainLoopsSettings."),
+    "V13": ("No EveryN anchor with explicit main loops.",
+            "transforms/mainloops.cpp: 'EveryN ... is unsupported'."),
+    "V14": ("No EveryN anchor in a pipelined session.",
+            "irlowering.cpp: 'AnchorReturnType::EVERYN is not valid for pipelined models'."),
+    "V17": ("aliasZeroCopy needs explicit pipelining and recomputation.",
+            "ir.cpp verifyAliasZeroCopySettings."),
+    "V18": ("Gradient accumulation only in training sessions.",
+            "ir.cpp prepareImpl: 'Gradient Accumulation only available when training'."),
+    "V19": ("accumulationFactor > 1 needs enableGradientAccumulation (set together by "
+            "accumulation.factor).", "sessionoptions.cpp getAccumulationFactor."),
+    "V21": ("replicatedGraphCount > 1 needs enableReplicatedGraphs (set together by "
+            "replication.local_factor).", "irlowering.cpp getReplicationFactor."),
+    "V22": ("The device's IPUs divide evenly among the replicas.",
+            "ir.cpp getNumVirtualGraphIds: 'the number of IPUs must be divisible by the "
+            "replication factor'."),
+    "V23": ("With virtual graphs off, one IPU per replica.",
+            "irlowering.cpp prepareGraph: 'replicated graph count needs to be equal to the number "
+            "of IPUs'."),
+    "V24": ("Every op's virtual graph id is below ipus_per_replica.",
+            "irlowering.cpp: 'has been assigned to an invalid virtual graph'."),
+    "V25": ("virtual_graph_mode manual needs annotated ops.",
+            "ir.cpp verifyVirtualGraphIds: 'no Ops have been annotated'."),
+    "V26": ("Every op has a virtual graph id, or none does.",
+            "ir.cpp: 'Either all Ops must have their virtual graph ids set, or none must'."),
+    "V27": ("Virtual graph annotations with virtual_graph_mode off (warning).",
+            "ir.cpp unsetAllVirtualGraphIds drops them with an info log."),
+    "V28": ("virtualGraphSplitRatios: one per IPU, each in (0, 1), summing to 1.",
+            "transforms/auto_virtual_graph.cpp."),
+    "V29": ("More than one execution phase needs virtual_graph_mode execution_phases.",
+            "ir.cpp verifyExecutionPhaseSettings."),
+    "V30": ("Execution phases enabled with fewer than two phases (warning).",
+            "ir.cpp verifyExecutionPhaseSettings: 'Phased execution ... Disabling.'"),
+    "V38": ("Loop batch serialisation in training needs transformContext Bwd.",
+            "ir.cpp verifyBatchSerializationSettings."),
+    "V40": ("numIOTiles with virtual graphs: even, at least 32, fewer than the tiles per IPU.",
+            "irlowering.cpp: 'invalid number of IO tiles'."),
+    "V41": ("gclOptions keys are useSynclessCollectives and maxBytesPerTile.",
+            "irlowering.cpp: 'is not a valid gcl option'."),
+    "V42": ("opxModifyChecking with replicated graphs.",
+            "irlowering.cpp: 'Can not do opx modify checking when using replicated graphs'."),
+    "V43": ("Buffering depths are at least 1.",
+            "sessionoptions.cpp: 'Unable to support a buffering depth of ...'."),
+    "V44": ("createImplicitPipeliningFwdOnlyProgram needs implicit pipelining and "
+            "accumulation.", "ir.cpp (deprecated option)."),
+    "V46": ("An EveryN anchor's period is positive and divides batches_per_step.",
+            "dataflow.cpp: 'Return period must be a factor of ...'."),
+    "V48": ("Automatic loss scaling's update period is a factor or multiple of the accumulation "
+            "factor.", "transforms/automaticlossscaling.cpp."),
+    # -- configuration ----------------------------------------------------------------------------
+    "K-unknown-key": ("A key or keyword a config section, optimizer or session does not have "
+                      "(suggests the closest field or PopART option).",
+                      "PopART's pybind options raise AttributeError, one at a time."),
+    "K-count-range": ("Counts fit PopART's 32-bit ints.", _KIT),
+    "K-max-ipus": ("At most 64 IPUs per instance.", _KIT),
+    "K-max-global-ipus": ("At most 64,000 IPUs over all instances.", _KIT),
+    "K-power-of-two": ("IPU requests are powers of two on IPU hardware.",
+                       "DeviceManager finds no device for other counts."),
+    "K-replication-global-below-local": ("global_factor >= local_factor.",
+                                         "ir.cpp verifyDistributedReplicatedGraphSettings."),
+    "K-replication-global-multiple": ("global_factor is a multiple of local_factor.",
+                                      _KIT + " (PopART does not check it)."),
+    "K-replication-offset-multiple": ("global_offset is a multiple of local_factor.",
+                                      _KIT + " (PopART does not check it)."),
+    "K-replication-offset-range": ("global_offset + local_factor <= global_factor.",
+                                   "ir.cpp checks only offset <= factor."),
+    "K-replication-offset-without-global": ("global_offset needs global_factor.", _KIT),
+    "K-replication-target": ("Replication needs an IPU or offline target.",
+                             "irlowering.cpp initPoplarGraph (distributed case)."),
+    "K-cpu-one-ipu": ("The cpu target has one IPU.", "DeviceManager.createCpuDevice."),
+    "K-sync-pattern-host": ("Sync patterns only on IPU hardware.", _KIT),
+    "K-rounding-target": ("round_to_power_of_two only on IPU hardware (warning).", _KIT),
+    "K-connection-never": ("connection 'never' cannot run, only compile.", _KIT),
+    "K-offline-run": ("An offline device compiles only; running needs another target.",
+                      "PopART: 'Cannot run on an offline device'."),
+    "K-caching-target": ("Engine caching on a host target has no effect (warning).", _KIT),
+    "K-bubble": ("Pipeline bubble above 30% (warning).", _KIT),
+    "K-stale-weights": ("Pipelined training with batches_per_step > 1 and no accumulation "
+                        "updates weights between micro-batches in flight (warning).", _KIT),
+    "K-recompute-inference": ("Recomputation only in training.", _KIT),
+    "K-recompute-pipeline": ("Pipeline recomputation needs pipelining (warning).", _KIT),
+    "K-mean-strategy": ("A running mean is rarely what mean reduction users want (warning).",
+                        _KIT),
+    "K-partials-conflict": ("precision.partials_type and the popart_options partials agree.",
+                            _KIT),
+    "K-option-controlled": ("A popart_options name a typed field controls.", _KIT),
+    "K-option-elsewhere": ("A name that is not a SessionOptions attribute but set elsewhere.",
+                           _KIT),
+    "K-option-unknown": ("A popart_options name SessionOptions does not have.",
+                         "pybind AttributeError."),
+    "K-option-type": ("A popart_options value of the wrong type.", "pybind TypeError."),
+    "K-option-deprecated": ("A deprecated option (warning).", "PopART logs a deprecation."),
+    "K-popdist-env": ("POPDIST_* variables poprun sets are consistent.", "popdist."),
+    "K-file-format": ("A config file's suffix is .toml, .yaml, .yml or .json.", _KIT),
+    "K-file-missing": ("The config file exists.", _KIT),
+    "K-file-unreadable": ("The config file can be read.", _KIT),
+    "K-file-encoding": ("The config file is UTF-8.", _KIT),
+    "K-file-size": ("The config file is of a config's size.", _KIT),
+    "K-file-syntax": ("The config file parses.", _KIT),
+    "K-file-duplicate-key": ("No key twice in a config file.", _KIT),
+    "K-file-depth": ("Nesting no deeper than a config needs; YAML aliases bounded.", _KIT),
+    "K-file-top-level": ("The top level of a config file is a table.", _KIT),
+    "K-cli-instance": ("popart-kit plan --instance names an existing instance.", _KIT),
+    "K-launch-program": ("poprun launches one program: no ';', '&&', '|' in it (setup goes "
+                         "before poprun).", "poprun would launch the first word."),
+    "K-launch-poprun-args": ("Extra poprun arguments do not set what the config decides.",
+                             "poprun's --num-replicas, ... must match the session."),
+    "K-launch-k8s": ("IPUJob names are DNS-1123 labels; image, CPU and memory well formed.",
+                     "kubectl refuses the resource."),
+    "K-report-missing": ("popart-kit report DIR needs a report an xla session wrote.", _KIT),
+    "K-bench-sweep": ("A bench sweep's lists are distinct positive integers, its variants valid "
+                      "sessions (else refused before anything runs, or --skip-invalid).", _KIT),
+    "K-bench-model": ("A bench model is a built-in one (mlp, convnet, encoder) with at least as "
+                      "many layers as stages, or an ONNX file with a streamed input and an "
+                      "output (and a loss to train).", _KIT),
+    "K-bench-spec": ("A bench spec is a YAML or TOML file with a 'benchmarks' table of named "
+                     "parameter tables.", _KIT),
+    "K-bench-results": ("--plot and --compare read results.json files written by popart-kit "
+                        "bench; compared results share variant names.", _KIT),
+    "K-bench-instances": ("Every instance of a multi-instance bench variant reports its "
+                          "numbers.", _KIT),
+    # -- optimizers -------------------------------------------------------------------------------
+    "K-optimizer-arguments": ("learning_rate given once.", _KIT),
+    "K-optimizer-hyper": ("Hyperparameters match the compiled optimizer's.", _KIT),
+    "K-optimizer-trees": ("One gradient per weight.", _KIT),
+    "K-optimizer-state": ("The optimizer state can be read on this backend.", _KIT),
+    "K-sgd-lr": ("SGD learning rate is positive and finite.", "sgd.hpp."),
+    "K-sgd-finite": ("SGD values are finite in float32.", _KIT),
+    "K-sgd-momentum": ("SGD momentum in [0, 1).", "sgd.hpp."),
+    "K-sgd-dampening": ("SGD dampening in [0, 1].", "sgd.hpp."),
+    "K-sgd-nesterov-momentum": ("Nesterov needs momentum.", "torch/PopART SGD."),
+    "K-sgd-nesterov-dampening": ("Nesterov needs zero dampening.", "torch/PopART SGD."),
+    "K-sgd-velocity-scaling": ("SGD velocity scaling positive.", "sgd.hpp."),
+    "K-sgd-weight-decay": ("SGD weight decay non-negative.", "sgd.hpp."),
+    "K-sgd-loss-scaling": ("SGD loss scaling positive.", "sgd.hpp."),
+    "K-adam-": ("Adam settings consistent (mode and options).", "adam.hpp."),
+    "K-adam-lr": ("Adam learning rate positive and finite.", "adam.hpp."),
+    "K-adam-finite": ("Adam values are finite in float32.", _KIT),
+    "K-adam-beta1": ("Adam beta1 in [0, 1).", "adam.hpp."),
+    "K-adam-beta2": ("Adam beta2 in [0, 1).", "adam.hpp."),
+    "K-adam-eps": ("Adam epsilon positive.", "adam.hpp."),
+    "K-adam-weight-decay": ("Adam weight decay non-negative.", "adam.hpp."),
+    "K-adam-loss-scaling": ("Adam loss scaling positive.", "adam.hpp."),
+    "K-adam-max-weight-norm": ("Lamb max weight norm non-negative.", "adam.hpp."),
+    # -- sessions ---------------------------------------------------------------------------------
+    "K-session-type": ("Session arguments of the right types.", _KIT),
+    "K-session-mode": ("InferenceSession takes inference configs, TrainingSession training.",
+                       _KIT),
+    "K-session-anchors": ("An inference session has an anchor.",
+                          "PopART: 'User must specify an anchor tensor when doing inference'."),
+    "K-session-optimizer": ("set_optimizer keeps the optimizer's kind.",
+                            "updateOptimizerFromHost refuses another kind."),
+    "K-micro-batch-size": ("micro_batch_size equals the streamed inputs' leading dimension.",
+                           _KIT + ": PopART's micro-batch is the input's shape."),
+    "K-loss-unknown": ("The loss names a tensor of the model.", "PopART: no such tensor."),
+    "K-loss-scalar": ("The loss is a scalar.", "PopART's final loss is a scalar."),
+    "K-anchor-unknown": ("Anchors name tensors of the model.", "PopART: no such tensor."),
+    "K-no-weights": ("A training model has weights to train.", _KIT),
+    "K-constant-weights": ("Weights marked constant are not trained.", _KIT),
+    "K-gradient-constant": ("No gradient anchor for a constant.", _KIT),
+    "K-gradient-dtype": ("Gradient anchors of float tensors.", _KIT),
+    "K-weight-unknown": ("write_weights names weights of the model.", "PopART: no such weight."),
+    "K-weight-shape": ("write_weights arrays have the weights' shapes.", "PopART."),
+    "K-nonfinite-update": ("A training run met NaN/Inf: nothing is applied.", _KIT),
+    "K-memory": ("The step fits the device's memory.", "Poplar: out of memory."),
+    "K-pipeline-workers": ("pipeline_workers is 'threads' or 'processes'; processes run one "
+                           "process's stages on CPU, not several instances or GPUs.", _KIT),
+    "K-stage-worker": ("A stage's worker process that fails, dies or falls silent stops the "
+                       "run with its stage named; nothing is applied.", _KIT),
+    "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "
+                "that divides an update's micro-batches and lines up with every EveryN "
+                "period).", _KIT),
+    "K-popdist-conflict": ("A config value set away from its default agrees with the POPDIST_* "
+                           "environment poprun (or popart-kit launch) gives the instance.",
+                           "PopART's popdist backend takes the environment and overrides the "
+                           "session options without a word."),
+    "K-xla-distributed-env": ("This process's place among the instances (OMPI_* or POPDIST_* "
+                              "variables, the coordinator) is complete and agrees with the "
+                              "config.", "poprun sets the same variables for PopART; MPI fails "
+                              "late when they disagree."),
+    "K-instance-failed": ("A run stops with an error naming the instance that died or never "
+                          "arrived, within the fault timeout.",
+                          "PopART under poprun: MPI aborts the job."),
+    "K-launch": ("popart-kit launch gets consistent counts, an existing program and a free "
+                 "coordinator port, before anything starts.",
+                 "poprun: its own checks of --num-instances/--num-replicas."),
+    "K-xla-recompute": ("pipeline.recomputation is one the xla backend can honour: standard, "
+                        "recompute_all and pipeline recompute a stage's forward in its "
+                        "backward; norm_only is refused.",
+                        "PopART's RecomputationType: which activations are recomputed rather "
+                        "than stashed."),
+    "K-xla-stochastic-rounding": ("precision.stochastic_rounding has no meaning on the xla "
+                                  "backend (a warning): XLA rounds to nearest.",
+                                  "IPUs round half-precision results stochastically when "
+                                  "enableStochasticRounding is set."),
+    "K-placement": ("Replicas fit the available devices.", _KIT),
+    # -- host data --------------------------------------------------------------------------------
+    "K-stepio-type": ("Inputs are a mapping of names to numpy arrays.", "PyStepIO."),
+    "K-stepio-missing": ("Every input of the model is given.", "PyStepIO: missing input."),
+    "K-stepio-unknown": ("No array for a tensor the model does not stream.", _KIT),
+    "K-stepio-shape": ("Arrays have the [bps, A, R, *S] shape.", "PyStepIO shape checks."),
+    "K-stepio-size": ("Samples make whole micro-batches.", _KIT),
+    "K-stepio-sample": ("Samples have the tensor's trailing axes.", _KIT),
+    "K-stepio-dtype": ("Arrays have the tensor's dtype.", "PyStepIO dtype check."),
+    "K-stepio-cast": ("A cast does not change values.", _KIT),
+    "K-stepio-contiguous": ("Arrays are C-contiguous.", "PyStepIO requires it."),
+    "K-stepio-readonly": ("Anchor arrays are writable.", "PyStepIO writes into them."),
+    "K-stepio-spec": ("TensorSpecs are well formed.", _KIT),
+    "K-stepio-no-batch-axis": ("Sharding needs a batch axis.", _KIT),
+    "K-stepio-broadcast-batches": ("Broadcast inputs have no per-batch axis.", _KIT),
+    "K-index-range": ("Index inputs (labels, Gather indices) within the size they index.",
+                      "PopART/XLA read out of range silently."),
+    "K-int64-range": ("INT64 (UINT64) values of inputs and weights fit INT32 (UINT32).",
+                      "PopART computes INT64 as INT32."),
+    "K-double": ("No float64 data.", "PopART has no float64 on the IPU."),
+    # -- models -----------------------------------------------------------------------------------
+    "K-model-type": ("A model is a ModelProto, bytes or a path.", _KIT),
+    "K-model-file": ("The model file is a regular file of at most 2 GiB (protobuf's limit), "
+                     "checked before reading, and can be read.", _KIT),
+    "K-model-opset": ("Imported opset versions are at least 1 and fit 32 bits.", "onnx."),
+    "K-model-external-data": ("External data is read only for a model given by its path, from "
+                              "its folder; a model given as bytes or a ModelProto has none.",
+                              "kit rule: onnx resolves it against the working directory"),
+    "K-file-write": ("A file the kit writes (config, model, checkpoint, report, results) is "
+                     "replaced whole or not at all; a failed write leaves the old file.",
+                     "kit rule: PopART writes its files in place"),
+    "K-model-decode": ("The bytes are an ONNX model.", "onnx."),
+    "K-model-onnx-checker": ("The model passes onnx.checker.", "PopART runs the checker."),
+    "K-model-cycle": ("The graph has no cycle.", "onnx."),
+    "K-model-undefined-input": ("Every node input is defined.", "onnx."),
+    "K-model-duplicate-input": ("No graph input twice.", "onnx."),
+    "K-model-duplicate-initializer": ("No initializer twice.", "onnx."),
+    "K-model-duplicate-producer": ("One producer per tensor.", "onnx."),
+    "K-model-attribute-type": ("Attributes of the schema's types.", "onnx."),
+    "K-model-attribute-unknown": ("Attributes the schema has.", "onnx."),
+    "P9": ("Without stage annotations, data flows to the same or a later IPU (PopART takes "
+           "each op's IPU as its stage).", "PopART: a consumer on an earlier stage than its "
+           "producer is an error."),
+    "P10": ("Data flows to the same or a later pipeline stage.", "PopART: a consumer on an "
+            "earlier stage than its producer is an error."),
+    "P11": ("Stages and IPUs are numbered from 0.", "PopART: 'Op has bad pipeline stage'."),
+    "P20": ("When pipelining, every op reading a weight sits on one IPU.",
+            "PopART: 'Can not copy variable tensor ... between virtual graphs when "
+            "pipelining'."),
+    "P-attribute-type": ("__pipeline_stage and __ipu_number are INT attributes.",
+                         "PopART reads them as integers."),
+    "K-layout-stages": ("Pipeline stage count in the model and the config agree.", _KIT),
+    "K-layout-unstaged": ("A pipelined model has stage annotations.", "V4."),
+    "K-one-stage": ("Pipelining a one-stage model (warning).", _KIT),
+    "K-static-shape": ("Inputs have static shapes.", "PopART needs static shapes."),
+    "K-xla-unsupported": ("Operators the xla backend lowers.", "xla backend."),
+    "K-xla-node-failed": ("A node the xla backend could not compute.", "xla backend."),
+    "K-xla-dropout": ("Dropout in training on xla needs a seed.", "xla backend."),
+    "K-xla-distributed": ("One xla process runs one instance.", "xla backend."),
+    "K-xla-only": ("A feature only the xla backend has.", "xla backend."),
+}
+
+
+def markdown() -> str:
+    """The rules reference, ``docs/rules.md``."""
+    lines = ["# Rules reference", "",
+             "Every rule id popart_kit reports, what it checks, and the PopART behaviour it "
+             "mirrors. `V<n>` rules are checks PopART itself makes (late: when it builds the IR "
+             "or lowers it), `P<n>` rules the pipeline layout rules PopART enforces on a "
+             "model's stage and IPU annotations; `K-...` rules are popart_kit's own. Errors "
+             "and warnings end with `(see docs/rules.md#<id>)`. Generated from "
+             "`popart_kit/_base/rule_docs.py` "
+             "(`python -m popart_kit._base.rule_docs > docs/rules.md`).",
+             "",
+             "| id | checks | PopART |", "|---|---|---|"]
+    for rule, (checks, popart) in RULES.items():
+        lines.append(f'| <a id="{rule}"></a>`{rule}` | {checks} | {popart} |')
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

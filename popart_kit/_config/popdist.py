@@ -1,0 +1,158 @@
+"""The POPDIST_* environment contract poprun sets for each instance: read it, and write it.
+
+poprun passes every instance its share of the replicas through environment variables
+(POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_LOCAL_REPLICAS, POPDIST_REPLICA_INDEX_OFFSET,
+POPDIST_NUM_IPUS_PER_REPLICA, ...). Instance count and index are derived from them, as popdist does
+for a uniform number of replicas per instance. Values must be ASCII decimal integers; every
+missing, malformed or inconsistent variable is named in one :class:`~popart_kit.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from .fields import MAX_COUNT, Replication, SessionFields, read_popdist_with
+from .rules import MAX_GLOBAL_IPUS
+from ..errors import ConfigError, short
+
+__all__ = ["PopdistEnv"]
+
+TOTAL = "POPDIST_NUM_TOTAL_REPLICAS"
+LOCAL = "POPDIST_NUM_LOCAL_REPLICAS"
+OFFSET = "POPDIST_REPLICA_INDEX_OFFSET"
+IPUS = "POPDIST_NUM_IPUS_PER_REPLICA"
+UNIFORM = "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE"
+LOCAL_INSTANCE = "POPDIST_LOCAL_INSTANCE_INDEX"
+# What popart-kit launch adds for the xla backend's instances (read by its distributed module):
+COORDINATOR = "POPART_KIT_COORDINATOR"  # where the instances meet
+FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
+JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
+_REQUIRED = (TOTAL, LOCAL, OFFSET, IPUS)
+_DECIMAL = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, "_", spaces or other scripts
+_FIX = ("Fix: start the program with poprun (or popart-kit launch), which sets all of them "
+        "consistently.")
+
+
+def _integer(raw: object) -> int | None:
+    """The value of an ASCII decimal integer of at most 10 digits, else None."""
+    if isinstance(raw, str) and _DECIMAL.fullmatch(raw):
+        return int(raw)
+    return None
+
+
+@dataclass(frozen=True)
+class PopdistEnv:
+    """This instance's view of a poprun launch."""
+
+    total_replicas: int
+    local_replicas: int
+    replica_index_offset: int
+    ipus_per_replica: int
+    local_instance_index: int = 0
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> PopdistEnv:
+        """Parse the variables; every missing, malformed or inconsistent one is reported at once."""
+        env = os.environ if env is None else env
+        if not isinstance(env, Mapping):
+            raise ConfigError(f"env must be a mapping of variable names to strings, got "
+                              f"{type(env).__name__}.", rule="K-popdist-env")
+        problems: list[str] = []
+        missing = [name for name in _REQUIRED if name not in env]
+        if len(missing) == len(_REQUIRED):
+            raise ConfigError(
+                f"not launched by poprun: none of {', '.join(_REQUIRED)} is set. Fix: start the "
+                f"program with poprun (see Plan.poprun_command) or `popart-kit launch`.",
+                rule="K-popdist-env")
+        problems += [f"{name} is missing" for name in missing]
+        values: dict[str, int] = {}
+        for name, least in ((TOTAL, 1), (LOCAL, 1), (OFFSET, 0), (IPUS, 1), (LOCAL_INSTANCE, 0)):
+            raw = env.get(name)
+            if raw is None:
+                continue
+            value = _integer(raw)
+            if value is None:
+                problems.append(f"{name}={short(raw)} is not an integer (ASCII decimal digits "
+                                f"0-9, at most 10)")
+            elif value < least:
+                problems.append(f"{name}={raw} is below {least}")
+            elif value > MAX_COUNT:
+                problems.append(f"{name}={raw} is above {MAX_COUNT}")
+            else:
+                values[name] = value
+        uniform = env.get(UNIFORM, "1")
+        if uniform != "1":
+            problems.append(f"{UNIFORM}={short(uniform)}: popart_kit needs the same number of "
+                            f"replicas on every instance")
+        if TOTAL in values and IPUS in values and values[TOTAL] * values[IPUS] > MAX_GLOBAL_IPUS:
+            problems.append(f"{TOTAL}={values[TOTAL]} × {IPUS}={values[IPUS]} = "
+                            f"{values[TOTAL] * values[IPUS]} IPUs, more than the largest IPU "
+                            f"system connects ({MAX_GLOBAL_IPUS})")
+        if problems:
+            raise ConfigError("poprun environment: " + "; ".join(problems) + ". " + _FIX,
+                              rule="K-popdist-env")
+        found = cls(values[TOTAL], values[LOCAL], values[OFFSET], values[IPUS],
+                    values.get(LOCAL_INSTANCE, 0))
+        found.replication()  # consistency of the three replica numbers
+        return found
+
+    def replication(self) -> Replication:
+        """The Replication these variables describe; refuses inconsistent ones."""
+        try:
+            return Replication(local_factor=self.local_replicas, global_factor=self.total_replicas,
+                               global_offset=self.replica_index_offset)
+        except ValidationError as err:
+            details = "; ".join(e["msg"] for e in err.errors())
+            raise ConfigError(
+                f"poprun environment {TOTAL}={self.total_replicas}, {LOCAL}="
+                f"{self.local_replicas}, {OFFSET}={self.replica_index_offset} is inconsistent: "
+                f"{details}", rule="K-popdist-env") from None
+
+    def apply(self, cfg: SessionFields) -> Any:
+        """``cfg`` with replication and ipus_per_replica taken from this environment.
+
+        The environment fills what the config leaves at its default; a config value set to
+        something else that disagrees with the environment is a conflict, reported (all of
+        them at once) naming both values rather than silently replaced."""
+        conflicts = []
+        if cfg.ipus_per_replica not in (1, self.ipus_per_replica):
+            stages = (f" and pipeline.stages={cfg.pipeline.stages}"
+                      if cfg.pipeline.stages is not None else "")
+            conflicts.append(f"{IPUS}={self.ipus_per_replica} but the config has "
+                             f"ipus_per_replica={cfg.ipus_per_replica}{stages}")
+        rep, found = cfg.replication, self.replication()
+        if rep != Replication() and rep != found:
+            conflicts.append(
+                f"{TOTAL}={self.total_replicas}, {LOCAL}={self.local_replicas}, {OFFSET}="
+                f"{self.replica_index_offset} but the config has replication.local_factor="
+                f"{rep.local_factor}, global_factor={rep.global_factor}, global_offset="
+                f"{rep.global_offset}")
+        if conflicts:
+            raise ConfigError(
+                "the poprun environment and the config disagree: " + "; ".join(conflicts)
+                + ". Fix: leave those settings at their defaults in the config (the environment "
+                "then gives them), or launch with matching values (e.g. poprun / popart-kit "
+                "launch --ipus-per-replica).", rule="K-popdist-conflict")
+        return cfg.updated(replication=found, ipus_per_replica=self.ipus_per_replica)
+
+    @classmethod
+    def for_config(cls, cfg: SessionFields) -> PopdistEnv:
+        """What poprun sets for the instance ``cfg`` describes (all instances on one host)."""
+        rep = cfg.replication
+        return cls(rep.global_replicas, rep.local_factor, rep.global_offset,
+                   cfg.ipus_per_replica, rep.instance_index)
+
+    def to_env(self) -> dict[str, str]:
+        return {TOTAL: str(self.total_replicas), IPUS: str(self.ipus_per_replica),
+                LOCAL: str(self.local_replicas), UNIFORM: "1",
+                OFFSET: str(self.replica_index_offset),
+                LOCAL_INSTANCE: str(self.local_instance_index)}
+
+
+read_popdist_with(lambda env: PopdistEnv.read(env).replication())

@@ -1,0 +1,1 @@
+"""Host data: the arrays PopART's StepIO reads and writes, per step, replica and instance."""

@@ -1,0 +1,680 @@
+"""Builder: popart.Builder's API without the SDK, and PipelineBuilder, its stage helper.
+
+A script written against ``popart.Builder`` builds the same ONNX model with :class:`Builder`:
+the same method names, parameter names and tensor ids, PopART's own annotation attributes
+(``__pipeline_stage``, ``__ipu_number`` as INT), Broadcast inputs stored as PopART stores them
+(``metadata_props``), and PopART's failures (an attribute a node already has, a node named by
+only some of its outputs). Models pass ``onnx.checker``; those using only ai.onnx operators load
+into onnxruntime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import inspect
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .._base.atomic import write_atomic
+from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
+from .onnx_ops import OpSignature, signatures
+from ..errors import ModelError, ModelTypeError, short
+from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
+
+__all__ = ["Builder", "BuilderError", "PipelineBuilder", "TensorInfo", "InputSettings",
+           "ReplicatedStreamMode", "ReductionType", "DEFAULT_AI_ONNX_OPSET"]
+
+DEFAULT_AI_ONNX_OPSET = 10  # popart.defaultAiOnnxOpset
+AI_GRAPHCORE = "ai.graphcore"
+_DELIMITER = "/"
+STREAM_MODE_KEY = "__replicated_stream_mode/"  # metadata_props key prefix, as PopART writes it
+
+# PopART's data type names and their ONNX types.
+_DTYPES = {name: getattr(onnx.TensorProto, name) for name in (
+    "FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE", "INT8", "INT16", "INT32", "INT64", "UINT8",
+    "UINT16", "UINT32", "UINT64", "BOOL")}
+
+
+class BuilderError(ValueError):
+    """A model-building mistake PopART's Builder also refuses."""
+
+
+class ReductionType(enum.Enum):
+    """popart.ReductionType; losses store it as the strings Sum, Mean and None."""
+
+    Sum = 0
+    Mean = 1
+    NoReduction = 2
+
+    @property
+    def attribute(self) -> str:
+        return "None" if self is ReductionType.NoReduction else self.name
+
+
+class ReplicatedStreamMode(enum.Enum):
+    """popart.ReplicatedStreamMode: Broadcast sends one host value to every replica."""
+
+    Broadcast = 0
+    Replicate = 1
+
+
+class InputSettings:
+    """popart.InputSettings (its keyword is spelt ``relicatedStreamMode``, as in PopART)."""
+
+    def __init__(self, relicatedStreamMode: ReplicatedStreamMode = ReplicatedStreamMode.Replicate
+                 ) -> None:
+        self._mode = ReplicatedStreamMode(relicatedStreamMode)
+
+    def replicatedStreamMode(self) -> ReplicatedStreamMode:
+        return self._mode
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        if dtype.upper() in _DTYPES:
+            return dtype.upper()
+        raise BuilderError(f"unknown data type {dtype!r}; PopART's names are "
+                           f"{', '.join(_DTYPES)}.")
+    try:
+        np_dtype = np.dtype(dtype)
+        return onnx.TensorProto.DataType.Name(helper.np_dtype_to_tensor_dtype(np_dtype))
+    except (TypeError, KeyError) as err:
+        raise BuilderError(f"cannot use {dtype!r} as a tensor data type") from err
+
+
+class TensorInfo:
+    """popart.TensorInfo: ``TensorInfo("FLOAT", [2, 3])``, ``TensorInfo(np.float32, shape)`` or
+    ``TensorInfo(array)``."""
+
+    def __init__(self, *args: Any) -> None:
+        if len(args) == 1 and isinstance(args[0], np.ndarray):
+            dtype, shape = args[0].dtype, args[0].shape
+        elif len(args) == 2:
+            dtype, shape = args
+        else:
+            raise TypeError(f"Can not create TensorInfo with args {args!r}")
+        self._type = _dtype_name(dtype)
+        self._shape = [int(d) for d in shape]
+
+    def shape(self) -> list[int]:
+        return list(self._shape)
+
+    def rank(self) -> int:
+        return len(self._shape)
+
+    def nelms(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    def dataType(self) -> str:
+        return self._type
+
+    def data_type_lcase(self) -> str:
+        return self._type.lower()
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self._type!r}, {self._shape})"
+
+
+class _Scope:
+    """A context manager that pushes an attribute value for the nodes created inside it."""
+
+    def __init__(self, builder: Builder, attribute: str, value: int | str) -> None:
+        self._builder, self._attribute, self._value = builder, attribute, value
+
+    def __enter__(self) -> _Scope:
+        self._builder._scopes.setdefault(self._attribute, []).append(self._value)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._builder._scopes[self._attribute].pop()
+
+
+def _debug_name(value: Any, what: str) -> str:
+    """``value`` as a debug context or name scope: text that encodes as UTF-8, as ONNX names
+    must; anything else is refused here, at the call, not when the model is serialised."""
+    if not isinstance(value, str):
+        raise ModelTypeError(f"{what} must be text, got {type(value).__name__} {short(value)}. "
+                             f"Fix: pass a name such as 'layer0'.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ModelError(f"{what} {short(value)} cannot name ONNX tensors or nodes: a lone "
+                         f"surrogate at position {err.start} is not UTF-8. Fix: pass text "
+                         f"without surrogates (decode bytes with errors='replace').") from None
+    return value
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return operator.index(value)
+
+
+def _overload(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              *overloads: tuple[inspect.Signature, dict[str, Callable[[Any], bool]]]
+              ) -> dict[str, Any]:
+    """The arguments of the first overload that binds and whose argument checks pass, as
+    pybind11 picks among PopART's overloads; TypeError listing them when none does."""
+    for signature, checks in overloads:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        if all(check(bound.arguments[name]) for name, check in checks.items()):
+            return dict(bound.arguments)
+    shown = "; ".join(f"{method}{sig}" for sig, _ in overloads)
+    raise TypeError(f"{method}(): no overload takes these arguments. PopART's: {shown}")
+
+
+def _signature(*names: str, **defaults: Any) -> inspect.Signature:
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind, default=defaults[n]) if n in defaults
+                              else inspect.Parameter(n, kind) for n in names])
+
+
+def _is_info(v: Any) -> bool:
+    return isinstance(v, TensorInfo)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_settings(v: Any) -> bool:
+    return isinstance(v, InputSettings)
+
+
+def _is_count(v: Any) -> bool:
+    return not isinstance(v, bool) and hasattr(v, "__index__")
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, set | list | tuple) and all(
+        isinstance(i, str) for i in v))
+
+
+_ADD_INPUT = (
+    (_signature("tensorInfo", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "debugContext": _is_str}),
+    (_signature("tensorInfo", "settings", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "settings": _is_settings, "debugContext": _is_str}),
+    (_signature("dataType", "shape", "debugContext", debugContext=""),
+     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str), "debugContext": _is_str}),
+    (_signature("dataType", "shape", "settings", "debugContext", debugContext=""),
+     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str),
+      "settings": _is_settings, "debugContext": _is_str}),
+)
+_PIPELINE_STAGE = ((_signature("nodeOutputNames", "value", value=0),
+                    {"nodeOutputNames": _is_str, "value": _is_count}),
+                   (_signature("value"), {"value": _is_count}))
+_VIRTUAL_GRAPH = ((_signature("nodeOutputNames", "value", value=0),
+                   {"nodeOutputNames": _is_ids, "value": _is_count}),
+                  (_signature("value"), {"value": _is_count}))
+
+
+class _AiOnnx:
+    """``builder.aiOnnx``: every ai.onnx operator of the builder's opset."""
+
+    def __init__(self, builder: Builder, version: int) -> None:
+        self._builder, self.version = builder, version
+        self._ops = signatures(version)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            op = self._ops[name]
+        except KeyError:
+            raise AttributeError(f"aiOnnx opset {self.version} has no operator {name!r}") from None
+        return functools.partial(_call_onnx_op, self._builder, op)
+
+    def __dir__(self) -> list[str]:
+        return sorted(self._ops)
+
+
+def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) -> Any:
+    bound = op.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    name = values.pop("debugContext")
+    if op.op_type == "Constant":
+        value = numpy_helper.from_array(np.require(values["value"], requirements="C"))
+        return builder._add_node("Constant", [], 1, {"value": value}, name, data=value)[0]
+    inputs = list(values.pop("args", []))
+    outputs = values.get("num_outputs") or op.fixed_outputs
+    if not any(a[0] == "num_outputs" for a in op.attributes):
+        values.pop("num_outputs", None)
+    attrs = {}
+    for attr_name, attr_type, _, _ in op.attributes:
+        value = values[attr_name]
+        if value is None or (isinstance(value, list | str) and not value):
+            continue
+        if attr_type == onnx.AttributeProto.TENSOR:
+            value = numpy_helper.from_array(np.require(value, requirements="C"))
+        elif op.op_type == "Cast" and attr_name == "to":
+            value = _DTYPES[_dtype_name(value)]
+        elif attr_type == onnx.AttributeProto.FLOAT:  # PopART takes floats: gemm(.., 1, 1)
+            value = float(value)
+        elif attr_type == onnx.AttributeProto.FLOATS:
+            value = [float(v) for v in value]
+        attrs[attr_name] = value
+    ids = builder._add_node(op.op_type, inputs, outputs, attrs, name)
+    return ids if op.returns_list else ids[0]
+
+
+class _AiGraphcore:
+    """``builder.aiGraphcore``: PopART's losses, gelu and the operators of GRAPHCORE_OPS
+    (domain ai.graphcore, opset 1)."""
+
+    version = 1
+
+    def __init__(self, builder: Builder) -> None:
+        self._builder = builder
+
+    def _loss(self, op_type: str, args: Sequence[str], reduction: ReductionType,
+              debugContext: str, **attrs: Any) -> str:
+        reduction = ReductionType(reduction) if not isinstance(reduction, ReductionType) \
+            else reduction
+        attrs["reduction"] = reduction.attribute
+        # Scalars, or with NoReduction the shape of the input (the label's for Nll).
+        source = list(args)[-1] if op_type == "Nll" else list(args)[0]
+        shaped_like = source if reduction is ReductionType.NoReduction else None
+        return self._builder._add_node(op_type, list(args), 1, attrs, debugContext,
+                                       domain=AI_GRAPHCORE,
+                                       custom_type=(list(args)[0], shaped_like))[0]
+
+    def l1loss(self, args: Sequence[str], *rest: Any, **kwargs: Any) -> str:
+        """``l1loss(args, lambda, reduction=ReductionType.Mean, debugContext="")``."""
+        names = ("lambda", "reduction", "debugContext")
+        given = dict(zip(names, rest, strict=False)) | kwargs
+        unknown = set(given) - set(names)
+        if unknown or "lambda" not in given or len(rest) > len(names):
+            raise TypeError(f"l1loss(args, lambda, reduction=ReductionType.Mean, "
+                            f"debugContext=''): got {sorted(given)}")
+        return self._loss("L1", args, given.get("reduction", ReductionType.Mean),
+                          given.get("debugContext", ""), **{"lambda": float(given["lambda"])})
+
+    def nllloss(self, args: Sequence[str], reduction: ReductionType = ReductionType.Mean,
+                ignoreIndex: int | None = None, inputIsLogProbability: bool = False,
+                debugContext: str = "") -> str:
+        attrs: dict[str, Any] = {"inputIsLogProbability": int(inputIsLogProbability)}
+        if ignoreIndex is not None:
+            attrs["ignoreIndex"] = _count(ignoreIndex)
+        return self._loss("Nll", args, reduction, debugContext, **attrs)
+
+    def identityloss(self, args: Sequence[str], reduction: ReductionType = ReductionType.Mean,
+                     debugContext: str = "") -> str:
+        return self._loss("IdentityLoss", args, reduction, debugContext)
+
+    def gelu(self, args: Sequence[str], debugContext: str = "") -> str:
+        source = list(args)[0]
+        return self._builder._add_node("Gelu", list(args), 1, {}, debugContext,
+                                       domain=AI_GRAPHCORE, custom_type=(source, source))[0]
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in GRAPHCORE_OPS:
+            raise AttributeError(f"aiGraphcore has no operator {name!r}; popart_kit offers "
+                                 f"l1loss, nllloss, identityloss, gelu, "
+                                 f"{', '.join(GRAPHCORE_OPS)}.")
+        return functools.partial(self._op, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu"})
+
+    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str:
+        op_type, params, shape_rule = GRAPHCORE_OPS[method]
+        names = [p[0] for p in params] + ["debugContext"]
+        if len(rest) > len(names) or set(kwargs) - set(names):
+            raise TypeError(f"aiGraphcore.{method}(args, {', '.join(names)}): got "
+                            f"{len(rest)} positional and {sorted(kwargs)}")
+        given = dict(zip(names, rest, strict=False)) | kwargs
+        inputs = [args] if isinstance(args, str) else list(args)
+        attrs: dict[str, Any] = {}
+        for pname, kind, default in params:
+            value = given.get(pname, default)
+            if value is REQUIRED:
+                raise TypeError(f"aiGraphcore.{method}: missing argument {pname!r}.")
+            attrs[pname] = {"float": float, "int": int, "str": str}.get(
+                kind, lambda v: [int(i) for i in v])(value)
+        builder = self._builder
+        source = builder._types[inputs[0]].tensor_type if inputs and inputs[0] in \
+            builder._types else None
+        shape = ([d.dim_value for d in source.shape.dim]
+                 if source is not None and source.HasField("shape") else None)
+        if shape is not None and shape_rule == "reshape":
+            shape = list(attrs["shape"])
+        elif shape is not None and shape_rule == "subsample":
+            shape = [-(-d // s) for d, s in zip(shape, attrs["strides"], strict=False)]
+        elif shape is not None and shape_rule == "slice":
+            for axis, size in zip(attrs["axes"], attrs["sizes"], strict=True):
+                shape[axis] = size
+        out_type = helper.make_tensor_type_proto(
+            source.elem_type if source is not None else onnx.TensorProto.FLOAT, shape)
+        return builder._add_node(op_type, inputs, 1, attrs, given.get("debugContext", ""),
+                                 domain=AI_GRAPHCORE, out_type=out_type)[0]
+
+
+class Builder:
+    """An ONNX model builder with popart.Builder's methods (see the module docstring)."""
+
+    def __init__(self, opsets: dict[str, int] | None = None) -> None:
+        opsets = dict(opsets or {})
+        unknown = set(opsets) - {"ai.onnx", AI_GRAPHCORE}
+        if unknown or opsets.get(AI_GRAPHCORE, 1) != 1:
+            raise BuilderError(f"opsets {opsets}: give 'ai.onnx' (a version) and 'ai.graphcore' "
+                               f"(1).")
+        self._onnx_version = int(opsets.get("ai.onnx", DEFAULT_AI_ONNX_OPSET))
+        self._graph = helper.make_graph([], "BuilderGraph", [], [])
+        self._metadata: dict[str, str] = {}
+        self._types: dict[str, onnx.TypeProto] = {}   # every tensor's type, inferred as built
+        self._data: dict[str, onnx.TensorProto] = {}  # constants and initializers
+        self._scopes: dict[str, list[Any]] = {}
+        self._uses_graphcore = False
+        self.aiOnnx = _AiOnnx(self, self._onnx_version)
+        self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("aiOnnxOpset") and name[11:].isdigit():
+            version = int(name[11:])
+            if version != self._onnx_version:
+                raise BuilderError(f"Invalid opset {version}: this builder uses ai.onnx opset "
+                                   f"{self._onnx_version}; only one version per builder. Fix: "
+                                   f"Builder(opsets={{'ai.onnx': {version}, 'ai.graphcore': 1}}).")
+            return self.aiOnnx
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    # -- ids and nodes ------------------------------------------------------------------------
+
+    def _next_id(self, name: str) -> str:
+        """PopART's unique ids: name scopes, then the name, then "/1", "/2"... if taken."""
+        base = self.getNameScope(name)
+        proposed, counter = base, 0
+        while proposed in self._types:
+            counter += 1
+            proposed = f"{base}{_DELIMITER}{counter}"
+        return proposed
+
+    def _add_node(self, op_type: str, inputs: list[str], outputs: int, attrs: dict[str, Any],
+                  name: str, domain: str = "", data: onnx.TensorProto | None = None,
+                  custom_type: tuple[str, str | None] | None = None,
+                  out_type: onnx.TypeProto | None = None) -> list[str]:
+        """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
+        mistake fails here, naming the op."""
+        _debug_name(name, f"{op_type}: debugContext")
+        unknown = [t for t in inputs if t not in self._types]
+        if unknown:
+            raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
+                               f"of this builder.")
+        for attribute in (PIPELINE_STAGE, VIRTUAL_GRAPH):
+            if self._scopes.get(attribute):
+                attrs[attribute] = self._scopes[attribute][-1]
+        ids = []
+        for i in range(outputs):
+            ids.append(self._next_id(f"{op_type}:{i}"))
+            self._types[ids[-1]] = onnx.TypeProto()  # reserve the id
+        # PopART names a node only when given a name or inside a name scope
+        node_name = (self.getNameScope(name or op_type)
+                     if name or self._scopes.get("name") else None)
+        node = helper.make_node(op_type, inputs, ids, name=node_name, domain=domain or None,
+                                **attrs)
+        try:
+            types = ({ids[0]: out_type} if out_type is not None else
+                     self._custom_types(ids[0], custom_type) if custom_type else
+                     self._infer(node, domain))
+        except onnx.shape_inference.InferenceError as err:
+            for tensor in ids:
+                del self._types[tensor]
+            raise BuilderError(f"{op_type} on {inputs}: {err}") from None
+        self._types.update(types)
+        self._graph.node.append(node)
+        if data is not None:
+            self._data[ids[0]] = data
+        if domain == AI_GRAPHCORE:
+            self._uses_graphcore = True
+        return ids
+
+    def _infer(self, node: onnx.NodeProto, domain: str) -> dict[str, onnx.TypeProto]:
+        schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
+        inputs = {t: self._types[t] for t in node.input}
+        data = {t: self._data[t] for t in node.input if t in self._data}
+        return dict(onnx.shape_inference.infer_node_outputs(
+            schema, node, inputs, data or None,
+            opset_imports=[helper.make_opsetid("", self._onnx_version)]))
+
+    def _custom_types(self, output: str, custom: tuple[str, str | None]
+                      ) -> dict[str, onnx.TypeProto]:
+        """PopART ops ONNX cannot infer: the first input's dtype; a scalar, or the shape of
+        ``shaped_like``."""
+        dtype_source, shaped_like = custom
+        dtype = self._types[dtype_source].tensor_type.elem_type
+        if shaped_like is None:
+            return {output: helper.make_tensor_type_proto(dtype, [])}
+        like = self._types[shaped_like].tensor_type
+        shape = [d.dim_value for d in like.shape.dim] if like.HasField("shape") else None
+        return {output: helper.make_tensor_type_proto(dtype, shape)}
+
+    def _node(self, nodeOutputNames: str | Sequence[str]) -> onnx.NodeProto:
+        wanted = {nodeOutputNames} if isinstance(nodeOutputNames, str) else set(nodeOutputNames)
+        for node in self._graph.node:
+            if set(node.output) == wanted:
+                return node
+        raise BuilderError(f"Could not find a node with outputs {sorted(wanted)}. Must specify "
+                           f"all outputs of a node.")
+
+    # -- inputs and outputs -------------------------------------------------------------------
+
+    def addInputTensor(self, *args: Any, **kwargs: Any) -> str:
+        """PopART's overloads: ``(tensorInfo, debugContext="")``, ``(tensorInfo, settings,
+        debugContext="")``, ``(dataType, shape, debugContext="")`` and ``(dataType, shape,
+        settings, debugContext="")`` - the last drops its settings, as PopART's does."""
+        given = _overload("addInputTensor", args, kwargs, *_ADD_INPUT)
+        info = given.get("tensorInfo") or TensorInfo(given["dataType"], given["shape"])
+        settings = given.get("settings") if "tensorInfo" in given else None
+        tensor_id = self._next_id(_debug_name(given["debugContext"], "debugContext") or "input")
+        value = helper.make_tensor_value_info(tensor_id, _DTYPES[info.dataType()], info.shape())
+        self._graph.input.append(value)
+        self._types[tensor_id] = value.type
+        mode = (settings or InputSettings()).replicatedStreamMode()
+        self._metadata[f"{STREAM_MODE_KEY}{tensor_id}"] = str(mode.value)
+        return tensor_id
+
+    def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
+        array = np.require(initVal, requirements="C")
+        tensor_id = self._next_id(_debug_name(debugContext, "debugContext") or "init_input")
+        if array.dtype == np.float32:  # PopART stores FLOAT initializers in float_data
+            tensor = helper.make_tensor(tensor_id, onnx.TensorProto.FLOAT, array.shape,
+                                        array.reshape(-1))
+        else:
+            tensor = numpy_helper.from_array(array, tensor_id)
+        value = helper.make_tensor_value_info(tensor_id, tensor.data_type, list(array.shape))
+        self._graph.input.append(value)
+        self._graph.initializer.append(tensor)
+        self._types[tensor_id] = value.type
+        self._data[tensor_id] = tensor
+        return tensor_id
+
+    def addOutputTensor(self, outputName: str) -> None:
+        if outputName not in self._types:
+            raise BuilderError(f"addOutputTensor: {outputName!r} is not a tensor of this "
+                               f"builder.")
+        value = onnx.ValueInfoProto(name=outputName)
+        value.type.CopyFrom(self._types[outputName])
+        self._graph.output.append(value)
+
+    def reshape_const(self, aiOnnx: Any, args: Sequence[str], shape: Sequence[int],
+                      debugContext: str = "") -> str:
+        """PopART's helper: a Reshape of ``args[0]`` to ``shape`` through an INT64 constant."""
+        _debug_name(debugContext, "debugContext")
+        new_shape = aiOnnx.constant(np.array(shape).astype(np.int64), debugContext + "_const")
+        return aiOnnx.reshape([args[0], new_shape], debugContext)
+
+    def getInputTensorIds(self) -> list[str]:
+        return [i.name for i in self._graph.input]
+
+    def getOutputTensorIds(self) -> list[str]:
+        return [o.name for o in self._graph.output]
+
+    # -- the model ------------------------------------------------------------------------------
+
+    def _opsets(self) -> list[onnx.OperatorSetIdProto]:
+        opsets = [helper.make_opsetid("", self._onnx_version)]
+        if self._uses_graphcore:
+            opsets.append(helper.make_opsetid(AI_GRAPHCORE, 1))
+        return opsets
+
+    def _proto(self) -> onnx.ModelProto:
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self._graph)
+        known = {v.name for v in (*graph.input, *graph.output)}
+        for tensor, type_proto in self._types.items():
+            if tensor not in known and type_proto.HasField("tensor_type"):
+                graph.value_info.append(onnx.ValueInfoProto(name=tensor, type=type_proto))
+        model = helper.make_model(graph, opset_imports=self._opsets(),
+                                  producer_name="popart_kit")
+        model.ir_version = helper.find_min_ir_version_for(self._opsets(), ignore_unknown=True)
+        helper.set_model_props(model, self._metadata)
+        return model
+
+    def getModelProto(self) -> bytes:
+        """The model, serialised (as PopART returns it)."""
+        return self._proto().SerializeToString()
+
+    def saveModelProto(self, filename: str) -> None:
+        """Write the model to ``filename``, replacing any file there whole or not at all."""
+        write_atomic(filename, self._proto().SerializeToString())
+
+    def _tensor_type(self, tensor_id: str) -> onnx.TypeProto.Tensor:
+        if tensor_id not in self._types:
+            raise BuilderError(f"{tensor_id!r} is not a tensor of this builder.")
+        return self._types[tensor_id].tensor_type
+
+    def getTensorShape(self, id: str) -> list[int]:  # noqa: A002 - PopART's parameter name
+        tensor = self._tensor_type(id)
+        if not tensor.HasField("shape") or any(not d.HasField("dim_value")
+                                               for d in tensor.shape.dim):
+            raise BuilderError(f"the shape of {id!r} is not known (ONNX shape inference could "
+                               f"not determine it from the op's inputs).")
+        return [d.dim_value for d in tensor.shape.dim]
+
+    def getTensorDtypeString(self, id: str) -> str:  # noqa: A002
+        tensor = self._tensor_type(id)
+        if not tensor.elem_type:
+            raise BuilderError(f"the data type of {id!r} is not known.")
+        return onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+
+    # -- attributes -----------------------------------------------------------------------------
+
+    def addNodeAttribute(self, attributeName: str, attributeValue: Any,
+                         nodeOutputNames: str | Sequence[str]) -> None:
+        node = self._node(nodeOutputNames)
+        if any(a.name == attributeName for a in node.attribute):
+            raise BuilderError(f"Node already has attribute {attributeName}.")
+        if isinstance(attributeValue, list | tuple) and not attributeValue:
+            attribute = helper.make_attribute(attributeName, [], attr_type=onnx.AttributeProto.INTS)
+        else:
+            attribute = helper.make_attribute(attributeName, attributeValue)
+        node.attribute.append(attribute)
+
+    def nodeHasAttribute(self, attributeName: str, nodeOutputNames: str | Sequence[str]) -> bool:
+        return any(a.name == attributeName for a in self._node(nodeOutputNames).attribute)
+
+    def getInt64NodeAttribute(self, attributeName: str,
+                              nodeOutputNames: str | Sequence[str]) -> int:
+        for attr in self._node(nodeOutputNames).attribute:
+            if attr.name == attributeName:
+                if attr.type != onnx.AttributeProto.INT:
+                    raise BuilderError(f"Attribute {attributeName} is not an int64.")
+                return int(attr.i)
+        raise BuilderError(f"Node does not have an attribute {attributeName}.")
+
+    def _annotate(self, attribute: str, given: dict[str, Any]) -> _Scope | None:
+        """The setter overload annotates one node; the ``(value)`` overload opens a scope."""
+        if "nodeOutputNames" not in given:
+            return _Scope(self, attribute, _count(given["value"]))
+        self.addNodeAttribute(attribute, _count(given["value"]), given["nodeOutputNames"])
+        return None
+
+    def pipelineStage(self, *args: Any, **kwargs: Any) -> _Scope | None:
+        """``pipelineStage(nodeOutputName, value=0)`` sets a node's stage;
+        ``with pipelineStage(value):`` stages every node created inside."""
+        return self._annotate(PIPELINE_STAGE,
+                              _overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE))
+
+    def virtualGraph(self, *args: Any, **kwargs: Any) -> _Scope | None:
+        """``virtualGraph(nodeOutputNames, value=0)`` places a node on an IPU;
+        ``with virtualGraph(value):`` places every node created inside."""
+        return self._annotate(VIRTUAL_GRAPH,
+                              _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH))
+
+    def nameScope(self, name: str) -> _Scope:
+        """``with nameScope(name):`` prefixes the ids and node names created inside; refuses a
+        name that is not UTF-8 text (:func:`_debug_name`)."""
+        return _Scope(self, "name", _debug_name(name, "name scope"))
+
+    def getNameScope(self, name: str = "") -> str:
+        return "".join(f"{scope}{_DELIMITER}" for scope in self._scopes.get("name", ())) + name
+
+    def _scope_value(self, attribute: str, what: str) -> int:
+        stack = self._scopes.get(attribute)
+        if not stack:
+            raise BuilderError(f"{what} not set in current scope.")
+        return stack[-1]
+
+    def getPipelineStage(self) -> int:
+        return self._scope_value(PIPELINE_STAGE, "Pipeline stage")
+
+    def hasPipelineStage(self) -> bool:
+        return bool(self._scopes.get(PIPELINE_STAGE))
+
+    def getVirtualGraph(self, nodeOutputNames: str | Sequence[str] | None = None) -> int:
+        if nodeOutputNames is None:
+            return self._scope_value(VIRTUAL_GRAPH, "Virtual graph")
+        return self.getInt64NodeAttribute(VIRTUAL_GRAPH, nodeOutputNames)
+
+    def hasVirtualGraph(self) -> bool:
+        return bool(self._scopes.get(VIRTUAL_GRAPH))
+
+
+def broadcast_inputs(model: onnx.ModelProto) -> set[str]:
+    """The inputs a model marks Broadcast (one host value for every replica)."""
+    mode = str(ReplicatedStreamMode.Broadcast.value)
+    return {p.key[len(STREAM_MODE_KEY):] for p in model.metadata_props
+            if p.key.startswith(STREAM_MODE_KEY) and p.value == mode}
+
+
+class PipelineBuilder:
+    """Stage helper over this Builder or a real ``popart.Builder``: ``with pb.stage(k):``
+    annotates both the pipeline stage and the IPU (stage k on IPU k, or ``stage_to_ipu``)."""
+
+    def __init__(self, builder: Any, stage_to_ipu: Sequence[int] | dict[int, int] | None = None
+                 ) -> None:
+        self.builder = builder
+        self._stage_to_ipu = (dict(enumerate(stage_to_ipu)) if isinstance(stage_to_ipu, Sequence)
+                              else dict(stage_to_ipu or {}))
+        self._last: int | None = None
+
+    def ipu_of(self, stage: int) -> int:
+        return self._stage_to_ipu.get(stage, stage)
+
+    @contextlib.contextmanager
+    def stage(self, k: int, ipu: int | None = None) -> Iterator[int]:
+        """Annotate the ops created inside with pipeline stage ``k`` and its IPU."""
+        if k < 0 or (ipu is not None and ipu < 0):
+            raise BuilderError(f"stage {k} on IPU {ipu}: stages and IPUs count from 0.")
+        ipu = self.ipu_of(k) if ipu is None else ipu
+        self._last = k
+        with self.builder.pipelineStage(k), self.builder.virtualGraph(ipu):
+            yield k
+
+    def next_stage(self, ipu: int | None = None) -> contextlib.AbstractContextManager[int]:
+        """The stage after the last one entered (0 first)."""
+        return self.stage(0 if self._last is None else self._last + 1, ipu)
+
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout.from_model(self.builder.getModelProto())

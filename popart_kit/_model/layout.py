@@ -1,0 +1,452 @@
+"""PipelineLayout: the pipeline-stage and IPU annotations of any ONNX model, and PopART's rules.
+
+PopART reads ``__pipeline_stage`` and ``__ipu_number`` node attributes (INT) and checks them only
+after the model is loaded, one rule at a time.
+This module reads them from a ModelProto, bytes or a path, checks every rule at once, computes
+the forward stages and the depth PopART runs, and renders the device allocation.
+
+Rule ids: ``V<n>`` is a session-option check PopART makes, ``P<n>`` a check PopART makes on
+pipeline annotations, ``K-...`` popart_kit's own. Checks cost the same whatever the stage and IPU
+numbers are.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from .._base.problems import Problem, emit_warnings, raise_errors
+from ..errors import ModelError, ModelTypeError, short
+
+if TYPE_CHECKING:
+    from .._config.fields import SessionFields
+
+__all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "allocation_view",
+           "load_model"]
+
+PIPELINE_STAGE = "__pipeline_stage"
+VIRTUAL_GRAPH = "__ipu_number"
+# Nodes PopART turns into tensors rather than ops: they carry no placement.
+_NOT_OPS = frozenset({"Constant"})
+_SHOW = 4  # names listed in an error before "…"
+_STAGE_LOC, _IPU_LOC = f"model.{PIPELINE_STAGE}", f"model.{VIRTUAL_GRAPH}"
+#: The largest model read, file or bytes: protobuf's limit on one serialised message (2 GiB).
+#: Larger weights go in external data files beside the model.
+MAX_MODEL_BYTES = 2**31 - 1
+
+
+def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.ModelProto:
+    """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path.
+
+    Refuses, before reading anything: a path that is not a regular file (a device, a FIFO, a
+    directory) and more than :data:`MAX_MODEL_BYTES`. External data is read only for a model
+    loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
+    of it); a model given as bytes or a ModelProto has no folder, so external data is refused."""
+    if isinstance(model, onnx.ModelProto):
+        _refuse_external_data(model, "this ModelProto")
+        return model
+    if not isinstance(model, bytes | bytearray | str | os.PathLike):
+        raise ModelTypeError(f"expected an onnx.ModelProto, bytes or a path, got "
+                             f"{type(model).__name__}.", rule="K-model-type")
+    where = "these bytes" if isinstance(model, bytes | bytearray) else short(os.fspath(model))
+    try:
+        if isinstance(model, bytes | bytearray):
+            _refuse_size(where, len(model))
+            proto = onnx.load_from_string(bytes(model))
+            _refuse_external_data(proto, where)
+        else:
+            _refuse_special_file(where, os.fspath(model))
+            proto = onnx.load(os.fspath(model))
+        _refuse_invalid_text(proto, where)
+        return proto
+    except ModelError:
+        raise
+    except DecodeError as err:
+        raise ModelError(f"{where} is not an ONNX model ({err}).", rule="K-model-decode") from None
+    except FileNotFoundError as err:
+        raise ModelError(f"{where}: no such file ({short(err.filename or '')}). Fix: check the "
+                         f"path, and that external data files sit beside the model.",
+                         rule="K-model-file") from None
+    except IsADirectoryError:
+        raise ModelError(f"{where} is a directory, not an ONNX model.",
+                         rule="K-model-file") from None
+    except Exception as err:  # onnx's ValidationError for bad external data, OSError, ...
+        raise ModelError(f"{where} cannot be loaded: {short(str(err), 300)}",
+                         rule="K-model-file") from None
+
+
+def _refuse_size(where: str, size: int) -> None:
+    if size > MAX_MODEL_BYTES:
+        raise ModelError(f"{where}: {size} bytes, more than an ONNX model can hold "
+                         f"({MAX_MODEL_BYTES} bytes, protobuf's limit). Fix: save large weights "
+                         f"as external data beside the model file.", rule="K-model-file")
+
+
+def _refuse_special_file(where: str, path: str) -> None:
+    """A path must name a regular file of at most MAX_MODEL_BYTES (checked before reading)."""
+    info = os.stat(path)  # FileNotFoundError and others are reported by the caller
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelError(f"{where} is not a regular file (a device, FIFO or socket): a model "
+                         f"is read from a file. Fix: save the model to a file and give its "
+                         f"path.", rule="K-model-file")
+    _refuse_size(where, info.st_size)
+
+
+def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
+    """External data is resolved against a model's folder; bytes and protos have none."""
+    external = [t.name for t in _tensors(model.graph)
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        raise ModelError(
+            f"{where}: the data of {len(external)} tensor(s) ({short(external[:_SHOW])}) is "
+            f"kept in external files, but without a path there is no folder to read them "
+            f"from (the working directory is not trusted for it). Fix: give the model's path, "
+            f"or load it with onnx.load(path), which reads its external data.",
+            rule="K-model-external-data")
+
+
+def _refuse_invalid_text(model: onnx.ModelProto, where: str) -> None:
+    """ONNX's string fields are UTF-8; protobuf hands invalid ones over as bytes, which no
+    name check expects. Refused like any undecodable model (one pass over the fields)."""
+    found = _invalid_text(model)
+    if found:
+        raise ModelError(f"{where} is not an ONNX model: its field {found} is not UTF-8 text.",
+                         rule="K-model-decode")
+
+
+def _invalid_text(message: Any, path: str = "model") -> str | None:
+    """The path of the first string field of ``message`` that is not text (None: all are)."""
+    for field, value in message.ListFields():
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue  # numbers and bytes (tensor data, string tensors): nothing to decode
+        repeated = _is_repeated(field)
+        items = list(enumerate(value)) if repeated else [(None, value)]
+        for i, item in items:
+            here = f"{path}.{field.name}" + (f"[{i}]" if repeated else "")
+            if field.type == field.TYPE_STRING and isinstance(item, bytes):
+                return here
+            if field.type == field.TYPE_MESSAGE:
+                found = _invalid_text(item, here)
+                if found:
+                    return found
+    return None
+
+
+def _is_repeated(field: Any) -> bool:
+    """protobuf 5.29+ says ``is_repeated``; earlier versions only have ``label``."""
+    repeated = getattr(field, "is_repeated", None)
+    return repeated if repeated is not None else field.label == field.LABEL_REPEATED
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in ``graph``: initializers and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                yield from _tensors(sub)
+
+
+@dataclass(frozen=True)
+class StagedOp:
+    """One node: its name (else its first output), tensors, stage and IPU when annotated."""
+
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stage: int | None
+    ipu: int | None
+
+
+def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:
+    for attr in node.attribute:
+        if attr.name == name:
+            if attr.type != onnx.AttributeProto.INT:
+                kind = onnx.AttributeProto.AttributeType.Name(attr.type)
+                label = short(node.name or (node.output[0] if node.output else node.op_type))
+                raise ModelError(f"node {label}: {name} is a {kind} attribute; PopART reads an "
+                                 f"INT. Fix: write one integer.", rule="P-attribute-type")
+            return int(attr.i)
+    return None
+
+
+def _names(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_SHOW])
+    return shown + (f" and {len(items) - _SHOW} more" if len(items) > _SHOW else "")
+
+
+def _count(items: Sequence[str]) -> str:
+    return f"{len(items)} {'has' if len(items) == 1 else 'have'}"
+
+
+def _merged_depth(ipus: Sequence[int]) -> int:
+    """Stages left after PopART merges consecutive stages that sit on the same IPU."""
+    return sum(1 for i, ipu in enumerate(ipus) if i == 0 or ipu != ipus[i - 1])
+
+
+class PipelineLayout:
+    """Stages and IPUs of a model's ops; construction reports every rule the model breaks."""
+
+    def __init__(self, ops: Sequence[StagedOp], weights: Sequence[str] = ()) -> None:
+        self.ops = tuple(ops)
+        self.weights = frozenset(weights)  # the model's initializers: PopART's variables
+        self.inferred = False
+        raise_errors("PipelineLayout", self._model_problems())
+
+    @classmethod
+    def from_model(cls, model: onnx.ModelProto | bytes | str | os.PathLike) -> PipelineLayout:
+        proto = load_model(model)
+        ops = []
+        for index, node in enumerate(proto.graph.node):
+            if node.op_type in _NOT_OPS:
+                continue
+            label = node.name or (node.output[0] if node.output else f"{node.op_type}#{index}")
+            ops.append(StagedOp(label, node.op_type,
+                                tuple(i for i in node.input if i), tuple(node.output),
+                                _int_attribute(node, PIPELINE_STAGE),
+                                _int_attribute(node, VIRTUAL_GRAPH)))
+        return cls(ops, [t.name for t in proto.graph.initializer])
+
+    # -- the model's own rules ----------------------------------------------------------------
+
+    def _model_problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        staged = [op for op in self.ops if op.stage is not None]
+        placed = [op for op in self.ops if op.ipu is not None]
+        if staged and len(staged) < len(self.ops):
+            missing = [op.name for op in self.ops if op.stage is None]
+            out.append(Problem(_STAGE_LOC, f"only some ops have a pipeline stage; "
+                                                 f"{_count(missing)} none: {_names(missing)}.",
+                               "annotate every op (PipelineBuilder.stage covers a whole block).",
+                               "V4"))
+        if placed and len(placed) < len(self.ops):
+            missing = [op.name for op in self.ops if op.ipu is None]
+            out.append(Problem(_IPU_LOC, f"only some ops have an IPU; {_count(missing)} "
+                                                f"none: {_names(missing)}.",
+                               "annotate every op with an IPU, or none.", "V26"))
+        negative = [op for op in staged if op.stage < 0] + [op for op in placed if op.ipu < 0]
+        if negative:
+            out.append(Problem(_STAGE_LOC, f"negative stage or IPU on "
+                                                 f"{_names([op.name for op in negative])}.",
+                               "number stages and IPUs from 0.", "P11"))
+        if out:
+            return out
+        if not staged and placed:
+            self.inferred = True  # PopART sets each op's stage to its virtual graph id
+        stages = sorted({self._stage(op) for op in self.ops if self._stage(op) is not None})
+        if stages and stages[-1] != len(stages) - 1:  # sorted and unique: a gap somewhere
+            gap = next(i for i, s in enumerate(stages) if s != i)
+            what = "IPUs (the stages PopART infers)" if self.inferred else "stages"
+            out.append(Problem(_STAGE_LOC,
+                               f"the {what} used are {short(stages)}: stage {gap} is missing "
+                               f"(PopART needs stages 0..{len(stages) - 1}).",
+                               "renumber the IPUs without gaps, or annotate stages explicitly."
+                               if self.inferred else "renumber the stages without gaps.",
+                               "V8"))
+        for stage, ipus in sorted(self._ipus_per_stage().items()):
+            if len(ipus) > 1:
+                ops = [op.name for op in self.ops if self._stage(op) == stage]
+                out.append(Problem(_STAGE_LOC,
+                                   f"stage {stage} has ops on IPUs {sorted(ipus)} "
+                                   f"({_names(ops)}); a stage runs on exactly one IPU.",
+                                   f"put all of stage {stage} on one IPU, or split it into "
+                                   f"stages.", "V5"))
+        out += list(self._flow_problems())
+        return out
+
+    def _stage(self, op: StagedOp) -> int | None:
+        return op.ipu if self.inferred else op.stage
+
+    def _ipus_per_stage(self) -> dict[int, set[int]]:
+        found: dict[int, set[int]] = {}
+        for op in self.ops:
+            stage = self._stage(op)
+            if stage is not None and op.ipu is not None:
+                found.setdefault(stage, set()).add(op.ipu)
+        return found
+
+    def _weights_across_ipus(self) -> dict[str, set[int]]:
+        used: dict[str, set[int]] = {}
+        for op in self.ops:
+            for tensor in op.inputs:
+                if tensor in self.weights and op.ipu is not None:
+                    used.setdefault(tensor, set()).add(op.ipu)
+        return {w: ipus for w, ipus in used.items() if len(ipus) > 1}
+
+    def _flow_problems(self) -> Iterator[Problem]:
+        producer = {t: op for op in self.ops for t in op.outputs}
+        for op in self.ops:
+            for tensor in op.inputs:
+                source = producer.get(tensor)
+                if source is None:
+                    continue
+                made, used = self._stage(source), self._stage(op)
+                if made is not None and used is not None and used < made:
+                    how = "IPU" if self.inferred else "stage"
+                    yield Problem(
+                        _STAGE_LOC,
+                        f"tensor {tensor!r} is made by {source.name} on {how} {made} but "
+                        f"consumed by {op.name} on {how} {used}, earlier in the pipeline"
+                        + (" (the model has no stages, so PopART takes each op's IPU as its "
+                           "stage)." if self.inferred else "."),
+                        "data must flow to the same or a later stage: move the consumer later "
+                        "or the producer earlier" + (" (or annotate stages explicitly)"
+                                                     if self.inferred else "") + ".",
+                        "P9" if self.inferred else "P10")
+
+    # -- derived ------------------------------------------------------------------------------
+
+    @property
+    def is_annotated(self) -> bool:
+        return any(op.stage is not None or op.ipu is not None for op in self.ops)
+
+    @property
+    def forward_stages(self) -> int:
+        """F: the model's forward pipeline stages (0 when it carries no annotation)."""
+        return len({self._stage(op) for op in self.ops} - {None})
+
+    @property
+    def stage_ipu(self) -> dict[int, int | None]:
+        """Each stage's IPU (None where the model names no IPU)."""
+        ipus = self._ipus_per_stage()
+        return {s: next(iter(ipus[s])) if s in ipus else None for s in range(self.forward_stages)}
+
+    @property
+    def ipus_used(self) -> set[int]:
+        return {op.ipu for op in self.ops if op.ipu is not None}
+
+    def depth(self, training: bool) -> int:
+        """Stages PopART runs: training adds backward stages (2F - 1, the backward of stage s
+        on the IPU of s), then consecutive stages on the same IPU merge into one."""
+        f = self.forward_stages
+        if f == 0:
+            return 0
+        stage_ipu = self.stage_ipu
+        ipus = [stage_ipu[s] for s in range(f)]
+        if any(ipu is None for ipu in ipus):
+            return 2 * f - 1 if training else f
+        sequence = ipus + ipus[-2::-1] if training else ipus
+        return _merged_depth(sequence)
+
+    # -- against a session ------------------------------------------------------------------
+
+    def problems(self, cfg: SessionFields) -> list[Problem]:
+        """Every way this model and ``cfg`` disagree (errors and warnings)."""
+        out: list[Problem] = []
+        ipus, vgm, pipe = cfg.ipus_per_replica, cfg.virtual_graph_mode, cfg.pipeline
+        outside = sorted(i for i in self.ipus_used if i >= ipus)
+        if outside and vgm != "off":
+            out.append(Problem("ipus_per_replica",
+                               f"the model places ops on IPU(s) {outside} but ipus_per_replica="
+                               f"{ipus} (IPUs 0..{ipus - 1}).",
+                               f"set ipus_per_replica to at least {max(outside) + 1}, or move "
+                               f"those ops.", "V24"))
+        if vgm == "manual" and not self.ipus_used:
+            out.append(Problem("virtual_graph_mode",
+                               "virtual_graph_mode='manual' but no op carries an IPU "
+                               "(__ipu_number).",
+                               "annotate the ops (PipelineBuilder.stage sets stage and IPU), "
+                               "or use virtual_graph_mode='auto'.", "V25"))
+        if vgm == "off" and self.ipus_used:
+            out.append(Problem("virtual_graph_mode",
+                               "virtual_graph_mode='off': PopART ignores the model's IPU "
+                               "annotations.", "set virtual_graph_mode='manual' to use them.",
+                               "V27", "warning"))
+        f = self.forward_stages
+        if not pipe.enabled:
+            if any(op.stage is not None for op in self.ops):
+                out.append(Problem("pipeline.enabled",
+                                   f"the model has {f} pipeline stages but pipelining is off: "
+                                   f"PopART clears them.", "set pipeline.enabled=true to "
+                                                           "pipeline.", "V3", "warning"))
+            return out
+        if f == 0:
+            out.append(Problem("pipeline.enabled",
+                               "pipelining is on but the model has no pipeline stages or IPUs.",
+                               "annotate stages (PipelineBuilder), or disable pipelining.",
+                               "K-layout-unstaged"))
+            return out
+        for weight, ipus in sorted(self._weights_across_ipus().items()):
+            out.append(Problem(_IPU_LOC,
+                               f"weight {weight!r} is used on IPUs {sorted(ipus)}: PopART cannot "
+                               f"copy a variable between IPUs when pipelining.",
+                               "keep every op that reads a weight on one IPU (its stages may "
+                               "differ).", "P20"))
+        if pipe.stages is not None and pipe.stages != f:
+            out.append(Problem("pipeline.stages",
+                               f"pipeline.stages={pipe.stages} but the model has {f} forward "
+                               f"stages.", f"set pipeline.stages={f} or leave it unset.",
+                               "K-layout-stages"))
+        depth = self.depth(cfg.is_training)
+        acc, bps = cfg.accumulation.factor, cfg.batches_per_step
+        if cfg.is_training and acc > 1:
+            if acc < depth:
+                out.append(Problem("accumulation.factor",
+                                   f"accumulation.factor={acc} is below the pipeline depth "
+                                   f"{depth} of this model.",
+                                   f"set accumulation.factor >= {depth}.", "V6"))
+        elif bps < depth:
+            out.append(Problem("batches_per_step",
+                               f"batches_per_step={bps} is below the pipeline depth {depth} of "
+                               f"this model.", f"set batches_per_step >= {depth}.", "V7"))
+        return out
+
+    def check(self, cfg: SessionFields) -> None:
+        """Raise one ValueError listing every error of this model under ``cfg``; warn the rest."""
+        found = self.problems(cfg)
+        raise_errors("PipelineLayout.check", found)
+        emit_warnings(found)
+
+    # -- display ------------------------------------------------------------------------------
+
+    def allocation(self) -> list[tuple[int | None, int | None, list[str]]]:
+        """Runs of consecutive ops on the same stage and IPU: (stage, ipu, op names)."""
+        runs: list[tuple[int | None, int | None, list[str]]] = []
+        for op in self.ops:
+            key = (self._stage(op), op.ipu)
+            if runs and runs[-1][:2] == key:
+                runs[-1][2].append(op.name)
+            else:
+                runs.append((*key, [op.name]))
+        return runs
+
+    def allocation_table(self) -> str:
+        """The device allocation as text: which ops sit on which stage and IPU."""
+        from .._base.render import to_text
+
+        return to_text(allocation_view(self))
+
+    def __repr__(self) -> str:
+        return (f"PipelineLayout(forward_stages={self.forward_stages}, "
+                f"stage_ipu={self.stage_ipu}, ops={len(self.ops)})")
+
+
+def allocation_view(layout: PipelineLayout) -> Any:
+    """Which ops sit on which stage and IPU, in model order (as PopART apps print it), as a
+    rich table."""
+    from rich.table import Table
+
+    from .._base.render import cell
+
+    how = " (stages inferred from IPUs)" if layout.inferred else ""
+    table = Table(title=f"Device allocation: {layout.forward_stages} forward stages{how}",
+                  title_justify="left")
+    for column, justify in (("stage", "right"), ("IPU", "right"), ("ops", "right"),
+                            ("first … last op", "left")):
+        table.add_column(column, justify=justify)
+    for stage, ipu, names in layout.allocation():
+        span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        table.add_row(cell(stage), cell(ipu), str(len(names)), span)
+    return table

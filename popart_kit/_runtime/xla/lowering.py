@@ -1,0 +1,373 @@
+"""ONNX to JAX: ``lower(model)`` checks a whole model against the operator table, once, and gives
+a :class:`LoweredGraph` whose ``evaluate`` is pure ``jax.numpy`` (traceable under ``jit``,
+``vmap`` and ``grad``).
+
+Tensors are of three kinds:
+
+* **constants**, known at lowering: Constant nodes, initializers that feed a compile-time input
+  (a Reshape shape, Slice starts, Pad pads ...), graph inputs whose values the caller gave as
+  ``static_inputs`` (used only where a constant is needed), and every node computed from them
+  alone (folded here, once);
+* **shape-derived** values, known when tracing: Shape and Size of any tensor, and nodes
+  computed from those and constants (numpy values while tracing, never traced arrays);
+* **runtime** values: graph inputs, weights (the other initializers) and everything computed
+  from them.
+
+Every node is validated before anything runs: an unknown operator, an attribute value the table
+refuses, or a compile-time input that is not a constant is reported, all of them in one
+:class:`UnsupportedModel`, naming each node (its name, else its first output) and op type. A node
+that fails while evaluating (a shape mistake JAX finds) raises :class:`NodeFailed` naming the node,
+its op type and its input shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..._model.index_check import narrowing_problems
+from ..._base.problems import raise_errors
+from ...errors import InvalidModel, ModelError, clip
+from ..._model.layout import load_model
+from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
+
+__all__ = ["LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
+
+
+class UnsupportedModel(ModelError):
+    """The model uses operators, attributes or input forms the xla backend does not run; one
+    message per problem, in ``problems``."""
+
+    rule = "K-xla-unsupported"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"the xla backend cannot run this model ({len(self.problems)} "
+                         f"problem(s)):\n{lines}\nFix: express these nodes with the operators "
+                         f"and attribute values the xla backend implements (see "
+                         f"popart_kit._runtime.xla.ops.OPS), or run on the popart backend.")
+
+
+class NodeFailed(ModelError):
+    """A node the xla backend could not evaluate with the inputs it was given (a shape or type
+    mistake in the model): names the node, its op type and its input shapes."""
+
+    rule = "K-xla-node-failed"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "(omitted)"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return f"{tuple(shape)} {dtype}" if shape is not None else type(value).__name__
+
+
+@dataclass(frozen=True)
+class _Node:
+    label: str                  # the node's name, else its first output
+    op: Op
+    ctx: Ctx
+    inputs: tuple[str, ...]     # "" for an omitted optional input
+    outputs: tuple[str, ...]    # "" for an output not asked for
+    static: bool                # runs on numpy values while tracing (shape-derived)
+
+
+class LoweredGraph:
+    """A model ready to evaluate with JAX.
+
+    ``inputs``: ``{name: (shape, numpy dtype)}`` of the graph inputs to feed, in order (None for
+    a dimension without a fixed size); ``weights``: ``{name: array}`` of the initializers that
+    are weights; ``constants``: the initializers and inputs folded in as compile-time values;
+    ``outputs``: the graph outputs; ``tensors``: every tensor that can be anchored;
+    ``trainable``: the floating-point weights.
+    """
+
+    def __init__(self, *, opset: int, inputs: dict[str, tuple[tuple[int | None, ...] | None,
+                                                              np.dtype]],
+                 weights: dict[str, np.ndarray], constants: dict[str, np.ndarray],
+                 known: dict[str, np.ndarray], outputs: list[str], nodes: list[_Node]) -> None:
+        self.opset = opset
+        self.inputs = inputs
+        self.weights = weights
+        self.constants = constants
+        self.outputs = outputs
+        self._known = known
+        self._nodes = nodes
+        self._producer = {out: i for i, n in enumerate(nodes) for out in n.outputs if out}
+        self.tensors: set[str] = {*inputs, *weights, *constants, *known, *self._producer}
+        self._plans: dict[tuple[str, ...], list[_Node]] = {}
+
+    def part(self, produces: set[str], inputs: Mapping[str, tuple[tuple[int, ...], np.dtype]]
+             ) -> LoweredGraph:
+        """The nodes producing any of ``produces`` (a pipeline stage), as a graph of its own
+        whose inputs are ``inputs`` (what earlier stages computed, and graph inputs)."""
+        nodes = [n for n in self._nodes if any(o in produces for o in n.outputs if o)]
+        read = {i for n in nodes for i in n.inputs if i}
+        return LoweredGraph(opset=self.opset, inputs=dict(inputs),
+                            weights={k: v for k, v in self.weights.items() if k in read},
+                            constants=self.constants, known=self._known,
+                            outputs=[o for n in nodes for o in n.outputs if o], nodes=nodes)
+
+    def is_constant(self, name: str) -> bool:
+        """Whether ``name`` was folded into a compile-time value when the model was lowered."""
+        return name in self._known
+
+    @property
+    def trainable(self) -> list[str]:
+        """The floating-point weights (integer and boolean ones cannot take gradients)."""
+        return [name for name, value in self.weights.items()
+                if np.issubdtype(value.dtype, np.inexact)]
+
+    def _plan(self, wanted: tuple[str, ...]) -> list[_Node]:
+        """The nodes ``wanted`` needs, in graph order (folded ones left out)."""
+        if wanted not in self._plans:
+            unknown = [w for w in wanted if w not in self.tensors]
+            if unknown:
+                raise KeyError(f"{unknown} are not tensors of the model; anchor an input, a "
+                               f"weight or a node output.")
+            needed, stack = set(), [w for w in wanted if w not in self._known]
+            while stack:
+                index = self._producer.get(stack.pop())
+                if index is None or index in needed:
+                    continue
+                needed.add(index)
+                stack.extend(i for i in self._nodes[index].inputs if i and i not in self._known)
+            self._plans[wanted] = [self._nodes[i] for i in sorted(needed)]
+        return self._plans[wanted]
+
+    def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
+                 wanted: Sequence[str],
+                 offsets: Mapping[str, Any] | None = None,
+                 fresh: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """The ``wanted`` tensors, computed from ``inputs`` and ``weights`` (a weight missing
+        from ``weights`` takes its value from the model). ``offsets`` are added to the named
+        tensors where they come into being (zeros there make the gradient with respect to any
+        tensor a gradient with respect to its offset). ``fresh``: other values of some
+        weights that every node reading them differentiates at, while the values computed
+        stay those of ``weights`` (PopART's backward reads a weight's current value but the
+        activations stashed by the forward: pipelining's stale weights). Pure: trace it with
+        ``jax.jit``, ``jax.vmap`` or ``jax.grad``."""
+        plan = self._plan(tuple(wanted) + tuple(offsets or ()))
+        offsets = offsets or {}
+
+        def shifted(name: str, value: Any) -> Any:
+            return value + offsets[name] if name in offsets else value
+
+        env: dict[str, Any] = dict(self._known)
+        for node in plan:
+            for name in node.inputs:
+                if not name or name in env:
+                    continue
+                if name in self.weights:
+                    env[name] = shifted(name, jnp.asarray(weights[name] if name in weights
+                                                          else self.weights[name]))
+                elif name in self.inputs:
+                    if name not in inputs:
+                        raise KeyError(f"input {name!r} is missing; the model's inputs are "
+                                       f"{list(self.inputs)}.")
+                    env[name] = shifted(name, jnp.asarray(inputs[name]))
+            args = [env[name] if name else None for name in node.inputs]
+            try:
+                if node.static:
+                    with jax.ensure_compile_time_eval():
+                        results = tuple(np.asarray(r)
+                                        for r in node.op(node.ctx.with_values(args), *args))
+                else:
+                    results = node.op(node.ctx.with_values(args), *args)
+                    if fresh and any(n in fresh for n in node.inputs):
+                        results = _fresh_gradient(node, args, fresh, results)
+            except ModelError:
+                raise
+            except NotSupported as err:
+                raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"]) from err
+            except Exception as err:  # JAX's shape and type errors do not name the node
+                shapes = ", ".join(f"{n or '(omitted)'}: {_describe(a)}"
+                                   for n, a in zip(node.inputs, args, strict=True))
+                raise NodeFailed(
+                    f"node {node.label} ({node.ctx.op_type}) cannot be computed from its inputs "
+                    f"[{clip(shapes, 400)}]: {type(err).__name__}: {clip(str(err), 400)} Fix: "
+                    f"correct the shapes or types feeding this node (onnx.checker with shape "
+                    f"inference finds most such mistakes).") from err
+            missing = [name for i, name in enumerate(node.outputs) if name and i >= len(results)]
+            if missing:
+                raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): outputs {missing} "
+                                        f"are not computed by the xla backend"])
+            env.update((name, shifted(name, value))
+                       for name, value in zip(node.outputs, results, strict=False) if name)
+        out = {}
+        for name in wanted:
+            value = env.get(name)
+            if value is None:  # an input or weight nobody consumes
+                value = shifted(name, weights.get(name, self.weights.get(name))
+                                if name in self.weights else inputs[name])
+            out[name] = jnp.asarray(value)
+        return out
+
+
+def _fresh_gradient(node: _Node, args: list[Any], fresh: Mapping[str, Any],
+                    results: Sequence[Any]) -> tuple[Any, ...]:
+    """``results`` in value, differentiated as the node with its ``fresh`` weights."""
+    again = [fresh.get(n, a) for n, a in zip(node.inputs, args, strict=True)]
+    other = node.op(node.ctx.with_values(again), *again)
+    stop = jax.lax.stop_gradient
+    return tuple(stop(r) + o - stop(o) if jnp.issubdtype(jnp.result_type(r), jnp.inexact)
+                 else r for r, o in zip(results, other, strict=False))
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    return int(onnx.defs.onnx_opset_version())
+
+
+def _value_type(value: onnx.ValueInfoProto) -> tuple[tuple[int | None, ...] | None, np.dtype]:
+    kind = value.type.WhichOneof("value")
+    if kind != "tensor_type":
+        raise NotSupported(f"its type is a {kind or 'missing type'}, not a tensor")
+    tensor = value.type.tensor_type
+    shape = (tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+             if tensor.HasField("shape") else None)
+    return shape, np_dtype(tensor.elem_type)
+
+
+def lower(model: onnx.ModelProto | bytes | str | Path,
+          static_inputs: Mapping[str, Any] | None = None) -> LoweredGraph:
+    """Check every node of ``model`` and prepare it for :meth:`LoweredGraph.evaluate`.
+
+    ``static_inputs``: values for graph inputs that may serve as compile-time constants (a
+    shape or axes fed as an input); they are folded in only where the graph needs a constant,
+    and are then no longer inputs. Raises :class:`UnsupportedModel` listing every problem.
+    """
+    model = load_model(model)
+    graph, opset = model.graph, _opset(model)
+    problems: list[str] = []
+    given = {k: np.asarray(v) for k, v in (static_inputs or {}).items()}
+
+    initializers: dict[str, np.ndarray] = {}
+    for tensor in graph.initializer:
+        try:
+            np_dtype(tensor.data_type)
+            initializers[tensor.name] = numpy_helper.to_array(tensor)
+        except (NotSupported, ValueError, TypeError) as err:
+            problems.append(f"initializer {tensor.name!r}: {err}")
+    for sparse in graph.sparse_initializer:
+        problems.append(f"initializer {sparse.values.name!r}: sparse initializers are not "
+                        f"supported")
+    inputs: dict[str, tuple[tuple[int | None, ...] | None, np.dtype]] = {}
+    unusable: set[str] = set()
+    for value in graph.input:
+        if value.name in initializers:
+            continue
+        try:
+            found = _value_type(value)
+            if found[0] is None:
+                raise NotSupported("its rank is unknown (no shape); the xla backend, like "
+                                   "PopART, compiles static shapes: give it one")
+            inputs[value.name] = found
+        except NotSupported as err:
+            problems.append(f"graph input {value.name!r}: {err}")
+            unusable.add(value.name)
+
+    # Which tensors can be constants (A), which must be (B), which are (C).
+    entries = [(node, OPS.get((GRAPHCORE if node.domain == GRAPHCORE else
+                               "" if node.domain in ("", "ai.onnx") else node.domain,
+                               node.op_type))) for node in graph.node]
+    capable = {*initializers, *given}
+    for node, entry in entries:
+        if entry and (entry.shape_only or all(i in capable for i in node.input if i)):
+            capable.update(node.output)
+    needed: set[str] = set()
+    for node, entry in reversed(entries):
+        if not entry:
+            continue
+        needed.update(node.input[i] for i in entry.static
+                      if i < len(node.input) and node.input[i] in capable)
+        if not entry.shape_only and any(o in needed for o in node.output):
+            needed.update(i for i in node.input if i)
+    constants = {k: v for k, v in initializers.items() if k in needed}
+    constants.update((k, v) for k, v in given.items() if k in needed and k in inputs)
+    static: set[str] = set(constants)
+    known: dict[str, np.ndarray] = dict(constants)
+
+    available = {*inputs, *initializers, *unusable}
+    nodes: list[_Node] = []
+    for node, entry in entries:
+        label = node.name or (node.output[0] if node.output else node.op_type)
+        where = f"{label} ({node.op_type})"
+        missing = [i for i in node.input if i and i not in available]
+        available.update(o for o in node.output if o)
+        if missing:
+            problems.append(f"{where}: input(s) {missing} are not produced by an earlier node, "
+                            f"an initializer or a graph input")
+        if entry is None:
+            domain = node.domain or "ai.onnx"
+            problems.append(f"{where}: operator {domain}.{node.op_type} is not supported")
+            continue
+        flags = [bool(i) and i in static for i in node.input]
+        ctx = Ctx(label, node.op_type, opset, read_attributes(node), node.input, node.output,
+                  flags)
+        bad = [i for i in entry.static if ctx.has_input(i) and not flags[i]]
+        for i in bad:
+            name = node.input[i]
+            hint = (" (a graph input: give its value in lower(..., static_inputs={...}) or "
+                    "make it an initializer)" if name in inputs else "")
+            problems.append(f"{where}: input {i} ({name!r}) must be a compile-time constant - "
+                            f"an initializer, a Constant or computed from shapes{hint}")
+        is_static = entry.shape_only or all(flags[i] for i, n in enumerate(node.input) if n)
+        if is_static:
+            static.update(o for o in node.output if o)
+        values = [known.get(i, UNKNOWN) if i else None for i in node.input]
+        try:
+            if entry.check:
+                entry.check(ctx.with_values(values))
+        except NotSupported as err:
+            problems.append(f"{where}: {err}")
+            continue
+        if is_static and not bad and all(v is not UNKNOWN for v in values):
+            try:
+                results = entry(ctx.with_values(values), *values)
+                known.update((o, np.asarray(r))
+                             for o, r in zip(node.output, results, strict=False) if o)
+                continue
+            except NotSupported as err:
+                problems.append(f"{where}: {err}")
+                continue
+            except Exception as err:  # a model mistake found while folding constants
+                problems.append(f"{where}: cannot compute it from its constant inputs: "
+                                f"{type(err).__name__}: {err}")
+                continue
+        nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static))
+
+    outputs = [o.name for o in graph.output]
+    for name in outputs:
+        if name not in available:
+            problems.append(f"graph output {name!r} is not produced by any node, initializer or "
+                            f"input")
+    if problems:
+        raise UnsupportedModel(problems)
+    weights = {k: v for k, v in initializers.items() if k not in constants}
+    raise_errors("model", narrowing_problems("weights", weights), error=InvalidModel)
+    return LoweredGraph(opset=opset,
+                        inputs={k: v for k, v in inputs.items() if k not in constants},
+                        weights=weights, constants=constants, known=known, outputs=outputs,
+                        nodes=nodes)
+
+
+def unsupported(model: onnx.ModelProto | bytes | str | Path,
+                static_inputs: Mapping[str, Any] | None = None) -> list[str]:
+    """Every reason the xla backend cannot run ``model`` (empty when it can)."""
+    try:
+        lower(model, static_inputs)
+    except UnsupportedModel as err:
+        return err.problems
+    return []

@@ -1,0 +1,452 @@
+"""Pipeline stages in worker processes of their own: stages that really run side by side on CPU.
+
+XLA:CPU gives every virtual CPU device of a process one shared pool of intra-op threads, and a
+program spreads its operations over the whole pool: two stages on two virtual devices of one
+process share the same threads, and an unpipelined run already uses every core. A stage can
+only have threads of its own in a process of its own. With ``pipeline_workers="processes"``
+each stage runs in a worker process with one CPU device and :attr:`StageProcesses.threads`
+threads (``PJRT_NPROC``; default: the cores divided among the stages, at least 1), as an IPU
+runs its stage with its own tiles.
+
+**Protocol.** The session's process starts the K workers once (``python -P -m`` this module:
+nothing of the user's script is imported again, and neither the working directory nor a
+script's is on their ``sys.path``; they import this package from where the session's process
+did) with socket pairs to it and between neighbouring stages. Each worker rebuilds the same
+backend (the class its start message names) from the model and the session's arguments and
+keeps its stage's compiled programs. A run sends each worker its stage's stream inputs,
+committed weights, optimizer state and hyperparameters; the workers run the schedule's
+actions of their stage, sending activations forward and gradients backward (a sender thread per
+link, so a send never blocks a stage), and return their anchors, new weights and state and
+their trace. The session's process checks and commits as for threads, so a run stays atomic.
+
+**Failure.** A worker that fails reports its error; a worker that dies or falls silent past
+the deadline is named. Either way every worker is stopped (the next run starts new ones) and
+the run raises without changing the session, so a failed stage never leaves the others
+waiting. Workers ignore SIGINT: a terminal's Ctrl-C reaches the session's process, whose
+KeyboardInterrupt, in a run or while the workers start, stops them the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import pkgutil
+import queue
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ...errors import PopartKitError
+from . import stage_worker
+
+__all__ = ["StageProcesses", "WorkerDevice", "default_threads"]
+
+#: Seconds a worker may take to start (import JAX, rebuild the backend) before it is named.
+START_SECONDS = 120.0
+#: Socket buffer asked for each link between processes.
+LINK_BUFFER_BYTES = 8 << 20
+#: Seconds a run may go without any worker answering before the workers are stopped.
+SILENCE_SECONDS = 600.0
+
+
+class StageWorkerError(PopartKitError, RuntimeError):
+    """A pipeline stage's worker process failed, died or fell silent; nothing was applied
+    (also a RuntimeError: the input was fine, the run was not)."""
+
+    rule = "K-stage-worker"
+
+
+class WorkerDevice(NamedTuple):
+    """Where a stage runs with ``pipeline_workers="processes"``."""
+
+    stage: int
+    pid: int
+    device: str
+    threads: int
+
+    def __str__(self) -> str:
+        return f"stage {self.stage}: process {self.pid}, {self.device}, {self.threads} thread(s)"
+
+
+def default_threads(stages: int) -> int:
+    """The cores divided among the stages, at least one each."""
+    return max(1, len(os.sched_getaffinity(0)) // stages)
+
+
+class _Link:
+    """One end of a socket pair carrying pickled messages whose arrays travel out of band
+    (pickle protocol 5): each array crosses as its raw bytes, received straight into the
+    buffer the unpickled array then uses. ``threaded``: sends go through a thread of their
+    own, so a stage never waits for its neighbour to read."""
+
+    def __init__(self, sock: socket.socket, threaded: bool = False) -> None:
+        self.sock = sock
+        self._out: queue.Queue[Any] | None = None
+        self._sender: threading.Thread | None = None
+        if threaded:
+            self._out = queue.Queue()
+            self._sender = threading.Thread(target=self._send_all, daemon=True)
+            self._sender.start()
+
+    def _send_all(self) -> None:
+        assert self._out is not None
+        while (message := self._out.get()) is not _CLOSE:
+            try:
+                self._send_now(message)
+            except OSError:
+                return
+
+    def _send_now(self, message: Any) -> None:
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+        raws = [b.raw() for b in buffers]
+        self.sock.sendall(struct.pack(f"<QQ{len(raws)}Q", len(head), len(raws),
+                                      *(r.nbytes for r in raws)) + head)
+        for raw in raws:
+            self.sock.sendall(raw)
+
+    def send(self, message: Any) -> None:
+        if self._out is not None:
+            self._out.put(message)
+        else:
+            self._send_now(message)
+
+    def recv(self) -> Any:
+        size, count = struct.unpack("<QQ", self._read(16))
+        sizes = struct.unpack(f"<{count}Q", self._read(8 * count)) if count else ()
+        head = self._read(size)
+        return pickle.loads(head, buffers=[self._read(n) for n in sizes])
+
+    def _read(self, n: int) -> bytearray:
+        out = bytearray(n)
+        view, got = memoryview(out), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the other end closed its link")
+            got += k
+        return out
+
+    def poll(self, seconds: float) -> bool:
+        return bool(select.select([self.sock], [], [], seconds)[0])
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.put(_CLOSE)
+            self._sender.join(5)  # type: ignore[union-attr]
+        self.sock.close()
+
+
+_CLOSE = object()
+
+
+class StageProcesses:
+    """K worker processes, one per stage, started once and reused by every run. ``threads``:
+    XLA threads per worker; ``pin``: keep each worker to cores of its own where the cores
+    suffice (set both before the workers start)."""
+
+    def __init__(self, spec: Callable[[], dict[str, Any]], stages: int,
+                 threads: int | None = None) -> None:
+        self.spec, self.stages = spec, stages
+        self.threads = threads if threads is not None else default_threads(stages)
+        self.pin = False
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._links: list[_Link] = []
+        self.devices: list[WorkerDevice] = []
+        self._closer = weakref.finalize(self, _stop, self._procs, self._links)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Start the workers, unless they run; whether it started them (new workers hold no
+        weights yet). An exception (KeyboardInterrupt included) while they start stops them,
+        so the next start begins afresh."""
+        if self._procs:
+            return False
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return True
+
+    def _start(self) -> None:
+        pairs = [_socket_pair() for _ in range(self.stages)]  # session <-> stage
+        chain = [_socket_pair() for _ in range(self.stages - 1)]  # stage s <-> s + 1
+        # the workers import this very package, wherever it was imported from; an empty
+        # PYTHONPATH entry would mean the working directory, which -P keeps off their path
+        home = str(Path(sys.modules[__package__.partition(".")[0]].__file__).resolve().parents[1])
+        user = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        path = os.pathsep.join([home, *filter(None, user)])
+        env = dict(os.environ, PJRT_NPROC=str(self.threads), JAX_PLATFORMS="cpu",
+                   PYTHONPATH=path)
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+        try:
+            for s in range(self.stages):
+                fds = [pairs[s][1].fileno(),
+                       chain[s - 1][1].fileno() if s else -1,
+                       chain[s][0].fileno() if s < self.stages - 1 else -1]
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-P", "-m", __name__, *map(str, fds)], env=env,
+                    pass_fds=[f for f in fds if f >= 0], stdin=subprocess.DEVNULL))
+        finally:
+            for sock in [p[1] for p in pairs] + [end for c in chain for end in c]:
+                sock.close()
+        self._links.extend(_Link(p[0]) for p in pairs)
+        spec = self.spec()
+        for s, link in enumerate(self._links):
+            link.send(("init", dict(spec, stage=s, cores=self._cores(s))))
+        self.devices = [WorkerDevice(s, p.pid, *self._answer(s, START_SECONDS, "start"))
+                        for s, p in enumerate(self._procs)]
+
+    def _cores(self, s: int) -> list[int] | None:
+        """The cores stage ``s``'s worker keeps to, when every stage can have cores of its
+        own (else None: the system places them)."""
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.pin or self.threads * self.stages > len(cores):
+            return None
+        return cores[s * self.threads:(s + 1) * self.threads]
+
+    def close(self) -> None:
+        """Stop the workers (the next run starts new ones)."""
+        _stop(self._procs, self._links)
+        self.devices = []
+
+    # -- a run ------------------------------------------------------------------------------
+
+    def run(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each stage's run; any failure stops every worker and raises StageWorkerError."""
+        self.start()
+        try:
+            for link, payload in zip(self._links, payloads, strict=True):
+                link.send(("run", payload))
+            return [self._answer(s, SILENCE_SECONDS, "run") for s in range(self.stages)]
+        except BaseException:
+            self.close()
+            raise
+
+    def _name_the_dead(self, what: str) -> None:
+        """Raise for the first worker that has exited, if any."""
+        for s, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                self.close()
+                raise StageWorkerError(
+                    f"pipeline stage {s}'s worker process (pid {proc.pid}) exited with code "
+                    f"{proc.returncode} during its {what}; nothing was applied. Fix: see its "
+                    f"output above, or use pipeline_workers='threads'.")
+
+    def _answer(self, s: int, seconds: float, what: str) -> Any:
+        link, proc = self._links[s], self._procs[s]
+        deadline = time.monotonic() + seconds
+        while not link.poll(0.2):
+            self._name_the_dead(what)
+            if time.monotonic() > deadline:
+                self.close()
+                raise StageWorkerError(
+                    f"pipeline stage {s}'s worker process gave no answer in {seconds:.0f} s "
+                    f"during its {what}; the workers were stopped and nothing was applied. "
+                    f"Fix: use pipeline_workers='threads', or fewer micro-batches per step.")
+        try:
+            kind, value = link.recv()
+        except (EOFError, OSError):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            self.close()
+            raise StageWorkerError(
+                f"pipeline stage {s}'s worker process (pid {proc.pid}) closed its link during "
+                f"its {what} (exit code {proc.returncode}); nothing was applied.") from None
+        if kind == "error":
+            self._name_the_dead(what)  # a neighbour's death shows here as a broken link
+            self.close()
+            error, text = value
+            if isinstance(error, BaseException):
+                raise error from StageWorkerError(f"in pipeline stage {s}'s worker:\n{text}")
+            raise StageWorkerError(f"pipeline stage {s}'s worker failed:\n{text}")
+        return value
+
+
+def _socket_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair whose buffers hold a few activations, so a send rarely waits for the
+    reader (the kernel may grant less)."""
+    pair = socket.socketpair()
+    for end in pair:
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER_BYTES)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LINK_BUFFER_BYTES)
+    return pair
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], links: list[_Link]) -> None:
+    for link in links:
+        with contextlib.suppress(OSError):
+            link.close()
+    deadline = time.monotonic() + 2.0  # a worker whose link closed exits by itself
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+    links.clear()
+
+
+# -- the worker side ----------------------------------------------------------------------------
+
+class _PipeBoard(stage_worker.Board):
+    """The threaded executor's board across processes: activations go to the next stage and
+    gradients to the one before, and what arrives is received, unpickled and put on the device
+    by a thread per link while the stage computes; stashes stay here."""
+
+    def __init__(self, before: _Link | None, after: _Link | None) -> None:
+        super().__init__()
+        self._before, self._after = before, after
+
+    def listen(self, link: _Link | None, count: int) -> None:
+        """Receive ``count`` values from ``link`` in a thread of its own."""
+        if link is not None and count:
+            threading.Thread(target=self._receive, args=(link, count), daemon=True).start()
+
+    def _receive(self, link: _Link, count: int) -> None:
+        import jax
+
+        try:
+            for _ in range(count):
+                key, value = link.recv()
+                super().put(key, jax.device_put(value))
+        except BaseException as error:  # noqa: BLE001 - the stage's take raises it
+            self.fail(error)
+
+    def put(self, key: Any, value: Any) -> None:
+        import jax
+
+        if key[0] == "F":
+            self._after.send((key, jax.device_get(value)))  # type: ignore[union-attr]
+        elif key[0] == "B":
+            self._before.send((key, jax.device_get(value)))  # type: ignore[union-attr]
+        else:
+            super().put(key, value)
+
+
+def _backend(spec: dict[str, Any]) -> Any:
+    """The session's backend rebuilt: the class its start message names ("module:qualname")
+    from the model and the session's arguments."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.devices()  # start JAX with one device, before the backend asks for more
+    stage_worker.STAGE_WORKER = True
+    import onnx
+
+    model = onnx.load_from_string(spec["model"])
+    training = () if spec["loss"] is None else (spec["loss"], spec["optimizer"])
+    return pkgutil.resolve_name(spec["backend"])(model, spec["config"], spec["anchors"],
+                                                 *training)
+
+
+def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
+    import warnings
+
+    import jax
+
+    warnings.simplefilter("ignore")  # the session's process has said it all already
+    kind, spec = main.recv()
+    s = spec["stage"]
+    if spec.get("cores"):
+        os.sched_setaffinity(0, spec["cores"])
+    try:
+        executor = _backend(spec).pipeline
+        del spec  # the model's bytes
+        _keep_only(executor, s)
+        device = jax.devices()[0]
+        main.send(("ok", (str(device), int(os.environ.get("PJRT_NPROC", "0")))))
+    except BaseException as error:  # noqa: BLE001 - reported to the session's process
+        main.send(("error", (_portable(error), traceback.format_exc())))
+        return
+    weights = states = None  # those of the last run (the session sends them when it has
+    while True:              # others: after a refused run, write_weights, a new session)
+        try:
+            kind, p = main.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            put = jax.device_put
+            if p["weights"] is not None:
+                weights, states = put(p["weights"], device), put(p["states"], device)
+            ctx = dict(streams=_at(s, put(p["streams"], device)), weights=_at(s, weights),
+                       states=_at(s, states), hyper=_at(s, put(p["hyper"], device)),
+                       accs=_at(s, None), outputs={}, sums={}, trace=[],
+                       lock=threading.Lock(), board=_PipeBoard(before, after))
+            if executor.training:
+                ctx["accs"][s] = {k: jax.numpy.zeros_like(ctx["weights"][s][k])
+                                  for k in executor._trained(executor.stages[s])}
+            actions = executor.schedule.for_stage(s)
+            ctx["board"].listen(before, sum(a.kind == "F" for a in actions) if s else 0)
+            ctx["board"].listen(after, sum(a.kind == "B" for a in actions)
+                                if s < len(executor.stages) - 1 else 0)
+            executor._worker(s, ctx)
+            if ctx["board"].failed is not None:
+                raise ctx["board"].failed
+            weights, states = ctx["weights"][s], ctx["states"][s]
+            main.send(("ok", dict(
+                outputs=jax.device_get(ctx["outputs"]), sums=jax.device_get(ctx["sums"]),
+                weights=jax.device_get(weights) if executor.training else None,
+                states=jax.device_get(states) if executor.training else None,
+                trace=ctx["trace"])))
+        except BaseException as error:  # noqa: BLE001 - reported to the session's process
+            main.send(("error", (_portable(error), traceback.format_exc())))
+
+
+def _keep_only(executor: Any, s: int) -> None:
+    """Drop what the rebuilt backend holds of the other stages (their weights, the model's
+    initializers, the device copies): a worker keeps its own stage's part of the model. The
+    session's process sends weights and optimizer state with each run that needs them."""
+    import gc
+
+    backend, mine = executor.backend, set(executor.stages[s].weights)
+    for i, stage in enumerate(executor.stages):
+        if i != s:
+            stage.graph.weights = {}  # never evaluated here
+    backend.graph.weights = {k: v for k, v in backend.graph.weights.items() if k in mine}
+    backend._weights, backend._opt_state = {}, None
+    del backend.model.graph.initializer[:]
+    gc.collect()
+
+
+def _at(s: int, value: Any) -> list[Any]:
+    """A list with ``value`` at index ``s`` (the executor indexes its context by stage)."""
+    return [None] * s + [value]
+
+
+def _portable(error: BaseException) -> BaseException | None:
+    """The error itself if it survives pickling, else None (its text is sent anyway)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure means "send the text"
+        return None
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session's process stops this one
+    fds = [int(a) for a in argv]
+    links = [_Link(socket.socket(fileno=fd), threaded=True) if fd >= 0 else None
+             for fd in fds]
+    _serve(links[0], links[1], links[2])  # type: ignore[arg-type]
+    for link in links:
+        if link is not None:
+            link.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,1 +1,0 @@
-"""Session backends: ``popart_sdk`` (Graphcore's Poplar SDK, imported lazily) and ``xla``."""
