@@ -15,7 +15,7 @@ _HOMES = {
     "._base.problems": ("PopartKitWarning",),
     ".errors": ("PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
                 "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-                "InvalidData", "FileWriteError"),
+                "InvalidData", "FileWriteError", "SessionClosedError"),
     "._model.builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder",
                         "ReductionType", "ReplicatedStreamMode", "TensorInfo"),
     "._config.session_config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling",
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         ModelError,
         ModelTypeError,
         PopartKitError,
+        SessionClosedError,
     )
     from ._model.builder import (
         Builder,
@@ -134,6 +135,7 @@ __all__ = [
     "InvalidModel",
     "InvalidData",
     "FileWriteError",
+    "SessionClosedError",
     "to_half",
     "bench",
 ]

@@ -14,6 +14,7 @@
         │   └── DataTypeError     data of the wrong type (also a TypeError)
         ├── FileWriteError        a file the kit could not write (also an OSError); the old
         │                         file is left as it was
+        ├── SessionClosedError    a session used after close()
         └── Invalid               a list of violated rules, pydantic-style (also a pydantic
             │                     ``ValidationError``: ``.errors()``, ``type=popart_kit.<rule>``)
             ├── InvalidConfig     (also a ConfigError)
@@ -38,7 +39,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
            "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-           "InvalidData", "FileWriteError", "short", "clip"]
+           "InvalidData", "FileWriteError", "SessionClosedError", "short", "clip"]
 
 
 class PopartKitError(ValueError):
@@ -88,6 +89,13 @@ class FileWriteError(PopartKitError, OSError):
     def __init__(self, message: str, *, rule: str | None = None, errno: int | None = None) -> None:
         super().__init__(message, rule=rule)
         self.errno = errno
+
+
+class SessionClosedError(PopartKitError):
+    """A session used after ``close()`` (or after its ``with`` block): it holds nothing to run
+    with any more."""
+
+    rule = "K-session-closed"
 
 
 class Invalid(PopartKitError, ValidationError):

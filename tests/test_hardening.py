@@ -424,3 +424,49 @@ def test_a_failing_rule_keeps_its_id():
                   accumulation={"factor": 2})
     assert err.rules == ("V18",)
     assert err.errors()[0]["type"] == "popart_kit.V18"
+
+
+# -- 8. the defects left after the last pass ------------------------------------------------------
+
+POPDIST = {"POPDIST_NUM_TOTAL_REPLICAS": "4", "POPDIST_NUM_LOCAL_REPLICAS": "2",
+           "POPDIST_REPLICA_INDEX_OFFSET": "2", "POPDIST_NUM_IPUS_PER_REPLICA": "1"}
+
+
+@pytest.mark.parametrize("blank", [None, ""])
+def test_popdist_variables_set_to_none_or_empty_are_named_as_missing(blank):
+    env = {**POPDIST, "POPDIST_NUM_TOTAL_REPLICAS": blank,
+           "POPDIST_REPLICA_INDEX_OFFSET": blank}  # as a mapping built from os.environ.get
+    err = refused(pk.ConfigError, pk.SessionConfig(mode="inference").with_popdist_env, env)
+    assert err.rule == "K-popdist-env"
+    assert "POPDIST_NUM_TOTAL_REPLICAS" in str(err) and "POPDIST_REPLICA_INDEX_OFFSET" in str(err)
+    refused(pk.ConfigError, pk.Replication.from_popdist_env, {k: None for k in POPDIST})
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_closed_session_refuses_every_method_and_closes_again_quietly(workers):
+    from pipeline_models import session
+
+    sess, feed = session(2, 1, True, True, bps=3, workers=workers)
+    sess.run(feed)
+    with sess:
+        pass
+    for method, args in [("run", (feed,)), ("prepare", ()), ("weights", ()),
+                         ("write_weights", ({},)), ("model_proto", ()),
+                         ("optimizer_state", ()), ("set_learning_rate", (0.1,)),
+                         ("set_random_seed", (1,))]:
+        with pytest.raises(pk.SessionClosedError, match="closed") as info:
+            getattr(sess, method)(*args)
+        assert info.value.rule == "K-session-closed" and "Fix:" in str(info.value)
+    with pytest.raises(pk.SessionClosedError):
+        sess.io  # noqa: B018 - the property refuses too
+    sess.close()  # idempotent
+
+
+def test_the_drop_in_reports_a_model_that_is_not_one_as_popart_exception():
+    import popart_kit.popart as popart
+
+    for given in (b"garbage", "not a path nor a model", 3):
+        with pytest.raises((popart.popart_exception, TypeError)) as info:
+            popart.InferenceSession(given, popart.DataFlow(1, ["y"]),
+                                    popart.DeviceManager().createCpuDevice())
+        assert isinstance(info.value, popart.popart_exception) or given == 3

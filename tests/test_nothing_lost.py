@@ -280,9 +280,3 @@ def test_the_cli_check_refuses_a_device_quickly():
     assert done.returncode == 2, done.stderr
     assert "regular file" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr
-
-
-def test_drop_in_reports_garbage_bytes_as_popart_exception():
-    with pytest.raises(popart.popart_exception, match="not an ONNX model"):
-        popart.InferenceSession(b"garbage", popart.DataFlow(1, ["y"]),
-                                popart.DeviceManager().createCpuDevice())

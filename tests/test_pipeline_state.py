@@ -173,7 +173,7 @@ def test_ctrl_c_while_stage_workers_start_or_run_stops_them_and_changes_nothing(
     sess.run(feed)
     before = committed(sess)
     if during == "start":
-        sess.close()  # the next run starts new workers
+        sess._backend.close()  # the workers stop; the session's next run starts new ones
     pids = interrupt_answer(monkeypatch, during)
     with pytest.raises(KeyboardInterrupt):
         sess.run(feed)

@@ -67,12 +67,15 @@ def test_stale_weights_in_processes_follow_popart():
 
 
 def test_closing_a_session_stops_its_workers_and_a_later_run_restarts_them():
-    with session(2, 1, False, True, bps=3, workers="processes")[0] as sess:
-        pids = {d.pid for d in sess.placement.values()}
+    """The backend's close stops the workers (a failed run does the same); its next run
+    starts new ones and computes the same."""
+    sess, feed = session(2, 1, False, True, bps=3, workers="processes")
+    sess.run(feed)
+    pids = {d.pid for d in sess.placement.values()}
+    sess._backend.close()
     for pid in pids:  # gone: waited for by close
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    feed = sess.io.allocate_inputs("random")
     again = sess.run(feed)
     assert pids.isdisjoint({d.pid for d in sess.placement.values()})
     here, _ = session(2, 1, False, True, bps=3)

@@ -179,6 +179,7 @@ RULES: dict[str, tuple[str, str]] = {
     "K-adam-max-weight-norm": ("Lamb max weight norm non-negative.", "adam.hpp."),
     # -- sessions ---------------------------------------------------------------------------------
     "K-session-type": ("Session arguments of the right types.", _KIT),
+    "K-session-closed": ("A session is not used after close().", _KIT),
     "K-session-mode": ("InferenceSession takes inference configs, TrainingSession training.",
                        _KIT),
     "K-session-anchors": ("An inference session has an anchor.",

@@ -64,17 +64,19 @@ class PopdistEnv:
             raise ConfigError(f"env must be a mapping of variable names to strings, got "
                               f"{type(env).__name__}.", rule="K-popdist-env")
         problems: list[str] = []
-        missing = [name for name in _REQUIRED if name not in env]
+        # unset, None (a mapping built with os.environ.get) and empty all mean "not given"
+        missing = [name for name in _REQUIRED if env.get(name) in (None, "")]
         if len(missing) == len(_REQUIRED):
             raise ConfigError(
                 f"not launched by poprun: none of {', '.join(_REQUIRED)} is set. Fix: start the "
                 f"program with poprun (see Plan.poprun_command) or `popart-kit launch`.",
                 rule="K-popdist-env")
-        problems += [f"{name} is missing" for name in missing]
+        problems += [f"{name} is {'empty' if env.get(name) == '' else 'missing'}"
+                     for name in missing]
         values: dict[str, int] = {}
         for name, least in ((TOTAL, 1), (LOCAL, 1), (OFFSET, 0), (IPUS, 1), (LOCAL_INSTANCE, 0)):
             raw = env.get(name)
-            if raw is None:
+            if raw in (None, ""):
                 continue
             value = _integer(raw)
             if value is None:

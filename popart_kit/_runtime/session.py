@@ -22,9 +22,16 @@ from pydantic import ValidationError
 from .._model.index_check import IndexChecks
 from .._model.checks import check_model
 from .._config.unknown_keys import checked_keywords
-from .backend import BACKENDS, Backend, TrainingBackend, make_backend
+from .backend import BACKENDS, Backend, make_backend
 from .._config.session_config import SessionConfig
-from ..errors import ConfigError, ConfigTypeError, DataTypeError, InvalidConfig, clip
+from ..errors import (
+    ConfigError,
+    ConfigTypeError,
+    DataTypeError,
+    InvalidConfig,
+    SessionClosedError,
+    clip,
+)
 from .._model.layout import PipelineLayout, load_model
 from .optimizers import SGD, Adam
 from .._config.plan import Plan
@@ -38,7 +45,7 @@ class _Session:
     """What both sessions share: model loading, the pipeline check, anchors, the backend."""
 
     _mode = ""
-    _backend: Backend
+    _live: Backend | None = None  # None once closed (or before the backend is made)
 
     def _open(self, model: onnx.ModelProto | bytes | str | os.PathLike, config: SessionConfig,
               anchors: Any, backend: Any, check_indices: Any) -> None:
@@ -98,12 +105,25 @@ class _Session:
         self._backend.prepare()
 
     def close(self) -> None:
-        """Stop what the session runs outside this process (a pipelined xla session's stage
-        worker processes) now rather than when it is collected; a later run starts them
-        again. ``with`` a session closes it at the end of the block."""
-        close = getattr(self._backend, "close", None)
+        """Release the session now rather than when it is collected: a pipelined xla session's
+        stage worker processes stop. Every method but ``close`` then raises
+        :class:`~popart_kit.SessionClosedError`; closing again does nothing. ``with`` a
+        session closes it at the end of the block."""
+        live, self._live = self._live, None
+        close = getattr(live, "close", None)
         if close is not None:
             close()
+
+    @property
+    def _backend(self) -> Any:
+        """The backend that runs the session; refuses a closed session."""
+        if self._live is None:
+            raise SessionClosedError(
+                f"this {type(self).__name__} is closed (close() or the end of its with-block "
+                f"released it), so it cannot run, prepare or give its weights any more. Fix: "
+                f"read what you need (weights(), model_proto()) before closing, or create a new "
+                f"session.")
+        return self._live
 
     def __enter__(self) -> Any:
         return self
@@ -165,9 +185,9 @@ class InferenceSession(_Session):
                              "must specify an anchor tensor when doing inference'). Fix: pass "
                              "anchors={tensor: 'All'} or add outputs to the model.",
                               rule="K-session-anchors")
-        self._backend: Backend = make_backend(backend, self.model, config, self.anchors, popart,
-                                              micro_batches_per_chunk=micro_batches_per_chunk,
-                                              pipeline_workers=pipeline_workers)
+        self._live = make_backend(backend, self.model, config, self.anchors, popart,
+                                  micro_batches_per_chunk=micro_batches_per_chunk,
+                                  pipeline_workers=pipeline_workers)
         self._share_index_sizes()
 
 
@@ -200,7 +220,7 @@ class TrainingSession(_Session):
                                   f"{type(loss).__name__}.", rule="K-session-type")
         self._open(model, config, anchors if anchors is not None else {loss: "Final"}, backend,
                    check_indices)
-        self._backend: TrainingBackend = make_backend(  # type: ignore[assignment]
+        self._live = make_backend(
             backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer,
             micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite,
             pipeline_workers=pipeline_workers)
