@@ -94,6 +94,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _show_plan(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
+    if args.all_replicas and not args.json:
+        _problems(err, "popart-kit plan", [("--all-replicas", (
+            "it lists every replica in the JSON plan, and the tables show only this "
+            "instance's. Fix: add --json, or leave --all-replicas out."))])
+        return REFUSED
     cfg = _load(args.config, err, args.json)
     if cfg is None:
         return REFUSED
@@ -112,7 +117,7 @@ def _show_plan(args: argparse.Namespace) -> int:
             update={"global_offset": args.instance * rep.local_factor}))
     plan = cfg.plan()
     if args.json:
-        out.print_json(json.dumps(plan.to_dict()))
+        print(json.dumps(plan.to_dict("all" if args.all_replicas else "instance"), indent=2))
     else:
         out.print(plan_view(plan))
     return 0
@@ -239,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="print the plan, or every problem, as JSON on stdout")
     plan.add_argument("--instance", type=int, default=None,
                       help="show the plan of this instance of a distributed config")
+    plan.add_argument("--all-replicas", action="store_true",
+                      help="with --json, list every replica's placement, not only this "
+                           "instance's (the rule for the rest is always there)")
     plan.set_defaults(run=_plan)
     check = commands.add_parser("check", help="show a model's pipeline stages and IPUs, and "
                                               "check them against a config")

@@ -37,7 +37,24 @@ def test_plan_of_another_instance(capsys):
     assert main(["plan", str(CONFIGS / "pod_instance1_of4.yaml"), "--json", "--instance", "3"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["instance_index"] == 3
-    assert [r["global_id"] for r in plan["replicas"] if r["instance"] == 3] == [6, 7]
+    # the JSON lists this instance's replicas; --all-replicas lists every one
+    assert [r["global_id"] for r in plan["replicas"]["placements"]] == [6, 7]
+    assert plan["replicas"]["this_instance"] == {"first_global_id": 6, "last_global_id": 7}
+
+
+def test_plan_json_all_replicas(capsys):
+    assert main(["plan", str(CONFIGS / "pod_instance1_of4.yaml"), "--json", "--all-replicas"]) == 0
+    replicas = json.loads(capsys.readouterr().out)["replicas"]
+    assert replicas["listed"] == "all"
+    assert [(r["instance"], r["global_id"]) for r in replicas["placements"]] == [
+        (g // 2, g) for g in range(8)]
+
+
+def test_plan_all_replicas_needs_json(capsys):
+    assert main(["plan", str(CONFIGS / "pod_instance1_of4.yaml"), "--all-replicas"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--all-replicas" in captured.err and "Fix: add --json" in captured.err
 
 
 def test_plan_rejects_a_missing_instance(capsys):

@@ -219,6 +219,7 @@ def test_plan_identities(data):
              else cfg.batches_per_step)
         assert math.isclose(p.bubble_fraction, (k - 1) / (m + k - 1))
     json.dumps(p.to_dict())  # plain data
+    assert_rule_gives_every_placement(p)
 
 
 def test_render_shows_every_section():
@@ -229,3 +230,72 @@ def test_render_shows_every_section():
                     "Warnings"):
         assert heading in text
     assert "pipeline bubble 42.9%" in text
+
+
+# -- the plan as data: bounded at POD scale -----------------------------------------------------
+
+
+def assert_rule_gives_every_placement(p: pk.Plan) -> None:
+    """The JSON's rule, evaluated as written, gives every placement ``replicas="all"`` lists."""
+    table = p.to_dict(replicas="all")["replicas"]
+    numbers = {k: table[k] for k in ("per_instance", "ipu_stride", "ipus_per_replica")}
+    rule = table["rule"]
+    for row in table["placements"]:
+        names = {**numbers, "global_id": row["global_id"]}
+        names["local_id"] = eval(rule["local_id"], names)
+        assert eval(rule["instance"], names) == row["instance"]
+        assert names["local_id"] == row["local_id"]
+        assert list(eval(rule["ipus"], names)) == row["ipus"]
+        ids = eval(rule["global_ids"], {**numbers, "instance": row["instance"]})
+        assert row["global_id"] in ids
+    assert [r["global_id"] for r in table["placements"]] == list(range(p.global_replicas))
+
+
+def pod(global_factor: int, offset: int = 8) -> pk.Plan:
+    return plan(replication={"local_factor": 4, "global_factor": global_factor,
+                             "global_offset": offset})
+
+
+def test_to_dict_lists_this_instances_replicas_and_the_rule_for_all():
+    p = plan(ipus_per_replica=3, device={"round_to_power_of_two": True},
+             replication={"local_factor": 2, "global_factor": 8, "global_offset": 4})
+    replicas = p.to_dict()["replicas"]
+    assert {k: replicas[k] for k in ("count", "per_instance", "ipus_per_replica", "ipu_stride",
+                                     "this_instance", "listed")} == {
+        "count": 8, "per_instance": 2, "ipus_per_replica": 3, "ipu_stride": 4,
+        "this_instance": {"first_global_id": 4, "last_global_id": 5}, "listed": "instance"}
+    assert replicas["placements"] == [
+        {"instance": 2, "global_id": 4, "local_id": 0, "ipus": [0, 1, 2]},
+        {"instance": 2, "global_id": 5, "local_id": 1, "ipus": [4, 5, 6]}]
+    assert_rule_gives_every_placement(p)
+
+
+def test_to_dict_all_replicas_lists_every_one():
+    p = pod(64)
+    everyone = p.to_dict(replicas="all")["replicas"]
+    assert everyone["listed"] == "all"
+    assert [r["global_id"] for r in everyone["placements"]] == list(range(64))
+    assert everyone["placements"][8:12] == p.to_dict()["replicas"]["placements"]
+
+
+def test_plan_json_does_not_grow_with_the_global_replica_count():
+    small, huge = pod(64).to_dict(), pod(64_000).to_dict()
+    assert huge["replicas"]["placements"] == small["replicas"]["placements"]
+    assert huge["sync_groups"] == small["sync_groups"]
+    # only the digits of the counts differ (64 -> 64000, 16 -> 16000 instances)
+    assert 0 < len(json.dumps(huge)) - len(json.dumps(small)) <= 16
+    assert len(pod(64_000).replicas) == 64_000  # the table itself still has them all
+
+
+def test_to_dict_refuses_an_unknown_listing():
+    with pytest.raises(ValueError, match="replicas='every' is not a listing: use 'instance'"):
+        pod(64).to_dict(replicas="every")
+
+
+def test_render_of_a_pod_shows_this_instances_replicas_and_the_rule():
+    text = pod(64_000, offset=63_996).render(width=200)
+    rows = [line.split("│")[1:-1] for line in text.splitlines() if line.count("│") == 5]
+    assert [int(r[1]) for r in rows] == [63_996, 63_997, 63_998, 63_999]
+    words = " ".join(text.split())  # the caption wraps at the table's width
+    assert "this instance's 4 replicas (64,000 in all); instance i runs global ids 4·i … " \
+           "4·i+3" in words

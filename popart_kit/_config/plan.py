@@ -11,7 +11,7 @@ import dataclasses
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 from .._base.arith import (
     bubble_fraction,
@@ -26,8 +26,22 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "ReplicaPlacement", "ReplicaTable", "plan_view", "sync_groups"]
 
-#: Replicas listed in the plan's table; the rest are counted.
+#: Rows of the plan's replica table: every replica when there are this many or fewer, else the
+#: first of this instance's (the caption gives the rule for the rest).
 MAX_REPLICA_ROWS = 32
+
+#: Which placements :meth:`Plan.to_dict` lists: this instance's (at most 64) or every replica's.
+Listed = Literal["instance", "all"]
+
+#: How a global replica id maps to its instance, local id and device IPUs: Python expressions
+#: over the keys of :meth:`ReplicaTable.to_dict` ("global_ids" gives the ids an instance runs;
+#: ``ipu_stride`` exceeds ``ipus_per_replica`` when the device is rounded up to a power of two).
+REPLICA_RULE = {
+    "instance": "global_id // per_instance",
+    "local_id": "global_id % per_instance",
+    "ipus": "range(local_id * ipu_stride, local_id * ipu_stride + ipus_per_replica)",
+    "global_ids": "range(instance * per_instance, (instance + 1) * per_instance)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,11 @@ class ReplicaPlacement:
     global_id: int
     local_id: int
     ipus: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The placement as plain data (``ipus`` a list)."""
+        return {"instance": self.instance, "global_id": self.global_id,
+                "local_id": self.local_id, "ipus": list(self.ipus)}
 
 
 class ReplicaTable(Sequence[ReplicaPlacement]):
@@ -73,6 +92,23 @@ class ReplicaTable(Sequence[ReplicaPlacement]):
         """The replicas instance ``i`` runs."""
         local = self._key[1]
         return self[i * local:(i + 1) * local]
+
+    def to_dict(self, instance: int, replicas: Listed = "instance") -> dict[str, Any]:
+        """The table in closed form (:data:`REPLICA_RULE` and its numbers), with the placements
+        of instance ``instance``, or of every replica when ``replicas`` is ``"all"``."""
+        if replicas not in get_args(Listed):
+            raise ValueError(f"replicas={replicas!r} is not a listing: use 'instance' (this "
+                             f"instance's replicas, the default) or 'all' (every replica).")
+        count, local, stride, ipus = self._key
+        rows = self if replicas == "all" else self.instance(instance)
+        return {
+            "count": count, "per_instance": local, "ipus_per_replica": ipus,
+            "ipu_stride": stride, "rule": dict(REPLICA_RULE),
+            "this_instance": {"first_global_id": instance * local,
+                              "last_global_id": (instance + 1) * local - 1},
+            "listed": replicas,
+            "placements": [r.to_dict() for r in rows],
+        }
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ReplicaTable):
@@ -195,9 +231,12 @@ class Plan:
     def local_replica_placements(self) -> tuple[ReplicaPlacement, ...]:
         return self.replicas.instance(self.instance_index)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, replicas: Listed = "instance") -> dict[str, Any]:
+        """The plan as plain data (what ``popart-kit plan --json`` prints). ``"replicas"`` gives
+        the placement rule and this instance's placements, whatever the replica count;
+        ``replicas="all"`` lists every replica's (``--all-replicas``)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["replicas"] = [dataclasses.asdict(r) | {"ipus": list(r.ipus)} for r in self.replicas]
+        out["replicas"] = self.replicas.to_dict(self.instance_index, replicas)
         out["warnings"] = list(self.warnings)
         out["idle_ipus"] = self.idle_ipus
         return out
@@ -336,12 +375,14 @@ def plan_view(plan: Plan) -> Any:
     replicas = Table(title="Replicas", title_justify="left")
     for column in ("instance", "global id", "local id", "device IPUs"):
         replicas.add_column(column, justify="right")
-    for r in plan.replicas[:MAX_REPLICA_ROWS]:
+    few = len(plan.replicas) <= MAX_REPLICA_ROWS
+    shown = plan.replicas if few else plan.local_replica_placements[:MAX_REPLICA_ROWS]
+    for r in shown:
         mark = "bold" if r.instance == plan.instance_index else "dim"
         replicas.add_row(str(r.instance), str(r.global_id), str(r.local_id),
                          ",".join(map(str, r.ipus)), style=mark)
-    if len(plan.replicas) > MAX_REPLICA_ROWS:
-        replicas.caption = f"… {len(plan.replicas) - MAX_REPLICA_ROWS} more replicas"
+    if not few:
+        replicas.caption = _replica_caption(plan, len(shown))
     parts.append(replicas)
     sync = Table(title=f"Sync groups ({plan.sync_pattern})", title_justify="left")
     sync.add_column("group")
@@ -353,3 +394,14 @@ def plan_view(plan: Plan) -> Any:
         parts.append(Text("Warnings", style="bold yellow"))
         parts += [Text(f"  • {w}", style="yellow") for w in plan.warnings]
     return Group(*parts)
+
+
+def _replica_caption(plan: Plan, shown: int) -> str:
+    """What a table of ``shown`` of this instance's replicas leaves out, and the rule for them."""
+    per = plan.local_replicas
+    text = (f"this instance's {per} replicas" if shown == per
+            else f"the first {shown} of this instance's {per} replicas")
+    if plan.instances == 1:
+        return text
+    ids = "global id i" if per == 1 else f"global ids {per}·i … {per}·i+{per - 1}"
+    return f"{text} ({len(plan.replicas):,} in all); instance i runs {ids}"
