@@ -9,7 +9,9 @@ hosts). Under Open MPI without ``POPART_KIT_COORDINATOR`` JAX finds the coordina
 
 Failures are bounded by ``POPART_KIT_FAULT_TIMEOUT`` seconds (default :data:`FAULT_TIMEOUT`):
 an instance that never arrives fails the others' start after it, and one that stops sending
-heartbeats is detected after it (collectives with a closed peer fail at once).
+heartbeats is detected after it (collectives with a closed peer fail at once). The instances meet
+at the coordinator's port before JAX starts (:func:`rendezvous`), because JAX's own wait for a
+missing instance or an unreachable coordinator aborts the process instead of raising.
 
 :func:`world` reads the environment without JAX; :func:`initialize` starts the runtime.
 """
@@ -17,7 +19,10 @@ heartbeats is detected after it (collectives with a closed peer fail at once).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,12 +32,15 @@ from ...errors import ConfigError, PopartKitError
 from ..._config.popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED
 
 __all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "World", "world",
-           "initialize", "watching", "InstanceFailed"]
+           "initialize", "rendezvous", "watching", "InstanceFailed"]
 
 FAULT_TIMEOUT = 30  # seconds, as the launcher's default
 OMPI_SIZE, OMPI_RANK, OMPI_URI = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                                   "OMPI_MCA_orte_hnp_uri")
 _RULE = "K-xla-distributed-env"
+_HELLO = "popart-kit-instance"  # a joining instance's greeting: HELLO PROCESSES PROCESS_ID
+_PATIENCE = 0.5  # seconds: instance 0's longest wait for one greeting or answer, and between
+# its checks that the instances that came still wait
 
 
 class InstanceFailed(PopartKitError):
@@ -127,7 +135,8 @@ def world(replication: Any, env: Mapping[str, str] | None = None) -> World:
 
 def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
     """Start the multi-process runtime for ``replication`` (once per process; a second call
-    checks the running one agrees). Must run before JAX starts its devices."""
+    checks the running one agrees). Must run before JAX starts its devices. Raises
+    :class:`InstanceFailed` naming the instances that did not come within the fault timeout."""
     import jax
     from jax._src import distributed, xla_bridge
 
@@ -152,11 +161,15 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
         # never did)
         with contextlib.suppress(OSError):
             open(os.path.join(marks, str(here.process_id)), "w").close()
+    bind = None
+    if here.coordinator is not None:  # under Open MPI alone JAX finds (and waits for) the others
+        rendezvous(here)
+        bind = here.coordinator if _local(here.coordinator) else None
     try:
         jax.distributed.initialize(
             here.coordinator, here.processes, here.process_id,
             initialization_timeout=here.timeout, heartbeat_timeout_seconds=here.timeout,
-            shutdown_timeout_seconds=here.timeout)
+            shutdown_timeout_seconds=here.timeout, coordinator_bind_address=bind)
     except Exception as err:  # jax raises RuntimeError / XlaRuntimeError, text only
         raise InstanceFailed(
             f"instance {here.process_id} of {here.processes} could not join the others at "
@@ -165,6 +178,171 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
             f"launcher names any that stopped), that the coordinator port is free, or raise "
             f"{FAULT_TIMEOUT_VARIABLE}.") from None
     return here
+
+
+def rendezvous(here: World) -> None:
+    """Wait until every instance reached the coordinator, at most ``here.timeout`` seconds, so
+    that JAX (whose own wait aborts the process) starts only when all are there. Instance 0
+    listens at the coordinator's port and answers the others once all came; raises
+    :class:`InstanceFailed` naming the instances that did not come (or instance 0, when it
+    cannot be reached), and ConfigError when instance 0 cannot listen there or refuses a
+    joining instance of another launch. ``here`` must name the coordinator."""
+    host, _, port = here.coordinator.rpartition(":")
+    if here.process_id == 0:
+        _gather(here, host, int(port))
+    else:
+        _join(here, host, int(port))
+
+
+def _gather(here: World, host: str, port: int) -> None:
+    """Instance 0's side: wait for the others and tell them all to go, or who never came."""
+    deadline = time.monotonic() + here.timeout
+    try:
+        server = _listen(host, port)
+    except OSError as err:
+        raise ConfigError(
+            f"instance 0 of {here.processes} cannot listen at the coordinator {COORDINATOR}="
+            f"{here.coordinator} ({err.strerror or err}). Fix: give an address of instance 0's "
+            f"host and a free port, e.g. 127.0.0.1:29500 on one host.", rule=_RULE) from None
+    joined: dict[int, socket.socket] = {}
+    try:
+        with server:
+            while True:
+                for gone in [i for i, conn in joined.items() if _closed(conn)]:
+                    joined.pop(gone).close()  # it stopped while waiting: it must come again
+                left = deadline - time.monotonic()
+                if len(joined) == here.processes - 1 or left <= 0:
+                    break
+                server.settimeout(min(left, _PATIENCE))
+                with contextlib.suppress(TimeoutError):
+                    _admit(server.accept()[0], here, joined)
+        missing = [i for i in range(1, here.processes) if i not in joined]
+        reply = "missing " + ",".join(map(str, missing)) if missing else "go"
+        for conn in joined.values():
+            with contextlib.suppress(OSError):
+                conn.settimeout(_PATIENCE)
+                conn.sendall(reply.encode() + b"\n")
+    finally:
+        for conn in joined.values():
+            conn.close()
+    if missing:
+        raise InstanceFailed(_never_came(here, missing))
+
+
+def _admit(conn: socket.socket, here: World, joined: dict[int, socket.socket]) -> None:
+    """Take a joining instance's greeting into ``joined``; refuse (and close) one that does not
+    belong to this launch, ignore anything that is not a greeting."""
+    try:
+        words = _line(conn, _PATIENCE).split()
+    except OSError:
+        words = []
+    if len(words) != 3 or words[0] != _HELLO or not all(w.isdigit() for w in words[1:]):
+        conn.close()
+        return
+    processes, process_id = int(words[1]), int(words[2])
+    problem = (f"it is one of {processes} instances, instance 0 one of {here.processes}"
+               if processes != here.processes else
+               f"its index {process_id} is not one of 1..{here.processes - 1}"
+               if not 0 < process_id < here.processes else
+               f"instance {process_id} already came" if process_id in joined else None)
+    if problem is None:
+        joined[process_id] = conn
+        return
+    with contextlib.suppress(OSError), conn:
+        conn.sendall(f"refused {problem}\n".encode())
+
+
+def _join(here: World, host: str, port: int) -> None:
+    """Another instance's side: reach instance 0, greet it and wait for its answer."""
+    deadline = time.monotonic() + here.timeout
+    conn = _connect(host, port, deadline)
+    if conn is None:
+        raise InstanceFailed(_never_came(here, [0]))
+    with conn:
+        try:
+            conn.sendall(f"{_HELLO} {here.processes} {here.process_id}\n".encode())
+            reply = _line(conn, here.timeout + 1)  # instance 0 answers by its own deadline
+        except OSError:
+            reply = ""
+    if reply == "go":
+        return
+    missing = reply[8:].split(",") if reply.startswith("missing ") else []
+    if missing and all(i.isdigit() for i in missing):
+        raise InstanceFailed(_never_came(here, [int(i) for i in missing]))
+    if reply.startswith("refused "):
+        raise ConfigError(
+            f"instance {here.process_id} of {here.processes}: instance 0 at the coordinator "
+            f"{here.coordinator} refused it: {reply[8:]}. Fix: start every instance of one "
+            f"launch with the same replication and a different coordinator port than other "
+            f"launches.", rule=_RULE)
+    raise InstanceFailed(
+        f"instance {here.process_id} of {here.processes}: the coordinator {here.coordinator} "
+        f"stopped or did not answer as popart-kit instance 0 within {here.timeout} s "
+        f"(answer {reply[:40]!r}). Fix: see instance 0's output, and check {COORDINATOR} is "
+        f"instance 0's address on every instance.")
+
+
+def _never_came(here: World, missing: list[int]) -> str:
+    who = "instance" if len(missing) == 1 else "instances"
+    return (f"{who} {', '.join(map(str, missing))} of {here.processes} never came to meet "
+            f"instance {here.process_id} at the coordinator {here.coordinator} within the fault "
+            f"timeout of {here.timeout} s. Fix: start every instance (popart-kit launch "
+            f"--num-instances {here.processes} starts them all) with the same {COORDINATOR}="
+            f"{here.coordinator}, instance 0's address, or raise {FAULT_TIMEOUT_VARIABLE}.")
+
+
+def _local(address: str) -> bool:
+    """Whether the coordinator ``address`` (HOST:PORT) is a loopback address."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening at ``port``: on ``host`` when it is loopback, else on every
+    interface, as JAX's coordinator does."""
+    if _local(f"{host}:{port}"):
+        family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), port,
+                                                      type=socket.SOCK_STREAM)[0]
+        return socket.create_server(address[:2], family=family)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def _connect(host: str, port: int, deadline: float) -> socket.socket | None:
+    """A connection to ``host:port``, tried until ``deadline`` (None if nothing answered)."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            return socket.create_connection((host.strip("[]"), port), timeout=min(left, 2))
+        except OSError:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    return None
+
+
+def _line(conn: socket.socket, timeout: float) -> str:
+    """One short text line from ``conn`` (what came before end of stream, if it ended)."""
+    conn.settimeout(timeout)
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 200:
+        chunk = conn.recv(200 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("ascii", "replace").strip()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the other end of ``conn`` went away."""
+    conn.settimeout(0)  # look, do not wait
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def peer_failure(err: BaseException, processes: int, process_id: int) -> InstanceFailed | None:

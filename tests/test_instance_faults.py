@@ -1,0 +1,141 @@
+"""Instances of a distributed xla session that never meet: a clear error in time, no abort.
+
+Instances are started by hand with the environment `popart-kit launch` gives them, on the
+loopback address only; every process runs in its own session under a hard time bound, and its
+whole process group is checked gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import popart_kit as pk
+from popart_kit._config.popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE
+from popart_kit._runtime.xla import distributed
+from popart_kit._runtime.xla.distributed import InstanceFailed, World
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "distributed_training.py"
+FAULT = 5  # seconds: the fault timeout these tests give the instances
+MARGIN = 8  # seconds: starting Python and JAX on a busy 2-core machine, and stopping
+BOUND = 120  # seconds: no process here may run longer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def no_core_dump() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def start(index: int, port: int) -> subprocess.Popen:
+    """Instance ``index`` of two (one replica each) of the example, as the launcher starts it."""
+    env = {**os.environ, **pk.PopdistEnv(2, 1, index, 1, index).to_env(),
+           COORDINATOR: f"127.0.0.1:{port}", FAULT_TIMEOUT_VARIABLE: str(FAULT),
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(EXAMPLE), "--steps", "1"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=no_core_dump)
+
+
+def finish(p: subprocess.Popen, started: float) -> tuple[int, str, float]:
+    """Its status, stderr and run time; stops its group and fails past BOUND; checks nothing of
+    its group is left running."""
+    try:
+        _, err = p.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail(f"instance (pid {p.pid}) still running after {BOUND} s")
+    took = time.monotonic() - started
+    with pytest.raises(ProcessLookupError):
+        os.killpg(p.pid, 0)  # nothing it started is left
+    return p.returncode, err, took
+
+
+def assert_clean_failure(status: int, err: str, took: float, *names: str) -> None:
+    assert status > 0, f"status {status} (negative: killed by a signal)\n{err[-3000:]}"
+    assert "Check failure" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert "InstanceFailed" in err and f"within the fault timeout of {FAULT} s" in err, err[-3000:]
+    for name in names:
+        assert name in err, err[-3000:]
+    assert took < FAULT + MARGIN, f"{took:.1f} s"
+
+
+def test_an_instance_that_never_starts_fails_the_other_cleanly_in_time():
+    port = free_port()
+    started = time.monotonic()
+    status, err, took = finish(start(0, port), started)
+    print(f"instance 0 alone: exited {status} after {took:.1f} s (fault timeout {FAULT} s)")
+    assert_clean_failure(status, err, took, "instance 1 of 2 never came to meet instance 0",
+                         f"coordinator 127.0.0.1:{port}")
+
+
+def test_a_wrong_coordinator_address_fails_both_instances_cleanly_in_time():
+    port, wrong = free_port(), free_port()  # nothing listens at ``wrong``
+    started = time.monotonic()
+    first, second = start(0, port), start(1, wrong)
+    for p, index, missing, address in ((first, 0, 1, port), (second, 1, 0, wrong)):
+        status, err, took = finish(p, started)
+        print(f"instance {index}: exited {status} after {took:.1f} s")
+        assert_clean_failure(status, err, took,
+                             f"instance {missing} of 2 never came to meet instance {index}",
+                             f"coordinator 127.0.0.1:{address}")
+
+
+def test_two_instances_started_by_hand_meet_and_run():
+    port = free_port()
+    started = time.monotonic()
+    for p in [start(0, port), start(1, port)]:
+        status, err, took = finish(p, started)
+        assert status == 0, err[-3000:]
+    print(f"two instances: done after {took:.1f} s")
+
+
+def meet(worlds: list[World]) -> dict[int, Exception | None]:
+    """Run the rendezvous of each World in a thread (no JAX); what each raised."""
+    found: dict[int, Exception | None] = {}
+
+    def one(here: World) -> None:
+        try:
+            distributed.rendezvous(here)
+            found[here.process_id] = None
+        except Exception as err:
+            found[here.process_id] = err
+
+    threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in worlds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND)
+    assert not any(t.is_alive() for t in threads)
+    return found
+
+
+def test_instance_0_tells_the_waiting_instances_who_never_came():
+    address = f"127.0.0.1:{free_port()}"
+    found = meet([World(3, 0, address, 1, "test"), World(3, 1, address, 1, "test")])
+    for index in (0, 1):
+        assert isinstance(found[index], InstanceFailed)
+        assert f"instance 2 of 3 never came to meet instance {index}" in str(found[index])
+
+
+def test_an_instance_of_another_launch_is_refused():
+    address = f"127.0.0.1:{free_port()}"
+    found = meet([World(2, 0, address, 1, "test"), World(3, 1, address, 1, "test")])
+    assert isinstance(found[0], InstanceFailed), found[0]
+    assert isinstance(found[1], pk.ConfigError) and not isinstance(found[1], InstanceFailed)
+    assert "refused it: it is one of 3 instances, instance 0 one of 2" in str(found[1])
