@@ -58,6 +58,9 @@ START_SECONDS = 120.0
 LINK_BUFFER_BYTES = 8 << 20
 #: Seconds a run may go without any worker answering before the workers are stopped.
 SILENCE_SECONDS = 600.0
+#: A worker that reports a broken link is given this long to see its dead neighbour reaped,
+#: so the error names the stage that died rather than the one that noticed.
+LINK_DEATH_SECONDS = 2.0
 
 
 class StageWorkerError(PopartKitError, RuntimeError):
@@ -236,15 +239,21 @@ class StageProcesses:
             self.close()
             raise
 
-    def _name_the_dead(self, what: str) -> None:
-        """Raise for the first worker that has exited, if any."""
-        for s, proc in enumerate(self._procs):
-            if proc.poll() is not None:
-                self.close()
-                raise StageWorkerError(
-                    f"pipeline stage {s}'s worker process (pid {proc.pid}) exited with code "
-                    f"{proc.returncode} during its {what}; nothing was applied. Fix: see its "
-                    f"output above, or use pipeline_workers='threads'.")
+    def _name_the_dead(self, what: str, within: float = 0.0) -> None:
+        """Raise for the first worker that has exited, if any, looking for up to ``within``
+        seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            for s, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    self.close()
+                    raise StageWorkerError(
+                        f"pipeline stage {s}'s worker process (pid {proc.pid}) exited with code "
+                        f"{proc.returncode} during its {what}; nothing was applied. Fix: see "
+                        f"its output above, or use pipeline_workers='threads'.")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     def _answer(self, s: int, seconds: float, what: str) -> Any:
         link, proc = self._links[s], self._procs[s]
@@ -267,9 +276,11 @@ class StageProcesses:
                 f"pipeline stage {s}'s worker process (pid {proc.pid}) closed its link during "
                 f"its {what} (exit code {proc.returncode}); nothing was applied.") from None
         if kind == "error":
-            self._name_the_dead(what)  # a neighbour's death shows here as a broken link
-            self.close()
             error, text = value
+            # a neighbour's death shows here as a broken link, a moment before it can be reaped
+            self._name_the_dead(what, LINK_DEATH_SECONDS
+                                if isinstance(error, ConnectionError | EOFError) else 0.0)
+            self.close()
             if isinstance(error, BaseException):
                 raise error from StageWorkerError(f"in pipeline stage {s}'s worker:\n{text}")
             raise StageWorkerError(f"pipeline stage {s}'s worker failed:\n{text}")
