@@ -214,6 +214,41 @@ def _ipujob(args: argparse.Namespace) -> int:
     return 0
 
 
+@_quietly
+def _slurm(args: argparse.Namespace) -> int:
+    """A SLURM batch script on stdout, for ``sbatch``."""
+    from ._config.job_artefacts import k8s_name
+
+    cfg = _load(args.config, Console(stderr=True))
+    if cfg is None:
+        return REFUSED
+    name = args.job_name if args.job_name is not None else k8s_name(Path(args.config).stem)
+    sys.stdout.write(cfg.plan().slurm_script(
+        args.program, job_name=name, nodes=args.nodes, cpus_per_task=args.cpus_per_task,
+        time=args.time, port=args.port, setup=args.setup or ()))
+    return 0
+
+
+@_quietly
+def _k8sjob(args: argparse.Namespace) -> int:
+    """A Kubernetes Indexed Job, its headless Service and Secret as YAML on stdout."""
+    import secrets
+
+    from ._config.job_artefacts import SECRET_BYTES, k8s_job_name
+
+    cfg = _load(args.config, Console(stderr=True))
+    if cfg is None:
+        return REFUSED
+    plan = cfg.plan()
+    name = args.name if args.name is not None else k8s_job_name(Path(args.config).stem,
+                                                                 plan.instances)
+    secret = None if args.existing_secret else secrets.token_hex(SECRET_BYTES)
+    sys.stdout.write(plan.k8s_job_yaml(
+        args.image, args.program, name, port=args.port, setup=args.setup or (), cpu=args.cpu,
+        memory=args.memory, secret=secret))
+    return 0
+
+
 def _report_dir(args: argparse.Namespace) -> int:
     """A table of what an xla session wrote to profiling.auto_report_dir."""
     from rich.table import Table
@@ -291,9 +326,60 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python program")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(run=_run_script)
+    _add_job_scripts(commands)
     _add_launch(commands)
     _add_bench(commands)
     return parser
+
+
+def _add_job_scripts(commands: argparse._SubParsersAction) -> None:
+    """`popart-kit slurm` and `popart-kit k8sjob`: the embedded runtime's instances over several
+    hosts, started by SLURM or Kubernetes."""
+    from ._config.cluster import SLURM_BASE_PORT
+    from ._config.job_artefacts import PORT
+
+    note = ("Each instance learns its index from the launcher (SLURM_PROCID, "
+            "JOB_COMPLETION_INDEX); see docs/hosts.md. Setup commands starting with '-' are "
+            "given with '=': --setup='-x'.")
+    slurm = commands.add_parser(
+        "slurm", help="print a SLURM batch script that runs the program once per instance: "
+                      "pipe it to sbatch",
+        usage="popart-kit slurm CONFIG [--nodes N] [--cpus-per-task N] [--time T] "
+              "[--job-name NAME] [--port P] [--setup CMD ...] -- PROGRAM ARGS", epilog=note)
+    slurm.add_argument("config", help="a SessionConfig file")
+    slurm.add_argument("--nodes", type=int, default=None,
+                       help="hosts the instances are split over (default: one per instance)")
+    slurm.add_argument("--cpus-per-task", type=int, default=None,
+                       help="cores for each instance (default: SLURM's)")
+    slurm.add_argument("--time", default=None, help="time limit, e.g. 2:00:00 (default: the "
+                                                    "partition's)")
+    slurm.add_argument("--job-name", default=None,
+                       help="job name; default: from the config file's name")
+    k8sjob = commands.add_parser(
+        "k8sjob", help="print a Kubernetes Indexed Job (YAML, with its headless Service and "
+                       "Secret) that runs the program once per instance: pipe it to "
+                       "kubectl apply -f -",
+        usage="popart-kit k8sjob CONFIG --image IMAGE [--name NAME] [--port P] [--cpu N] "
+              "[--memory Q] [--existing-secret] [--setup CMD ...] -- PROGRAM ARGS",
+        epilog=note)
+    k8sjob.add_argument("config", help="a SessionConfig file")
+    k8sjob.add_argument("--image", required=True, help="container image with the program and "
+                                                       "popart_kit")
+    k8sjob.add_argument("--name", help="Job and Service name (a DNS-1035 label); default: from "
+                                       "the config file's name")
+    k8sjob.add_argument("--cpu", type=int, default=None, help="CPU limit of each pod")
+    k8sjob.add_argument("--memory", default=None, help="memory limit of each pod, e.g. 16Gi")
+    k8sjob.add_argument("--existing-secret", action="store_true",
+                        help="use the Secret NAME-secret made with kubectl create secret "
+                             "instead of a new random one in the YAML")
+    slurm.add_argument("--port", type=int, default=None, help=f"instance 0's coordinator "
+                       f"port (default: {SLURM_BASE_PORT} + SLURM_JOB_ID %% 4096, one per job)")
+    k8sjob.add_argument("--port", type=int, default=PORT,
+                        help=f"instance 0's coordinator port (default {PORT})")
+    for parser, run in ((slurm, _slurm), (k8sjob, _k8sjob)):
+        parser.add_argument("--setup", action="append", metavar="CMD",
+                            help="a shell command run before the program (repeatable, in order)")
+        parser.set_defaults(run=run, program=[])
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -411,7 +497,7 @@ def _version() -> str:
 
 def _add_launch(commands: argparse._SubParsersAction) -> None:
     """`popart-kit launch`: poprun's option names, the xla backend's instances on this host."""
-    from .launcher import FAULT_TIMEOUT
+    from .launcher import FAULT_TIMEOUT, START_TIMEOUT
 
     launch = commands.add_parser(
         "launch", help="start the instances of a distributed session as poprun would "
@@ -427,8 +513,16 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--host-index", type=int, default=0,
                         help="which of --host this launch starts the instances of")
     launch.add_argument("--fault-timeout", type=float, default=FAULT_TIMEOUT, metavar="SECONDS",
-                        help="how long instances take to notice a failed or missing one, and "
-                             "the others get to stop before they are stopped")
+                        help="how long instances take to notice a stopped or hung one (they "
+                             "end with status 3), and the others get to stop before they are "
+                             "stopped")
+    launch.add_argument("--start-timeout", type=float, default=START_TIMEOUT, metavar="SECONDS",
+                        help="how long the instances wait for each other to start (default "
+                             f"{START_TIMEOUT:g}; a slow host may load for minutes)")
+    launch.add_argument("--secret-file", metavar="FILE", default=None,
+                        help="the job's secret, which every instance proves to join: the same "
+                             "file on each host (default: POPART_KIT_JOB_SECRET, else a random "
+                             "one per launch; several hosts need one)")
     launch.add_argument("--print-topology", choices=("yes", "no"), default="no", nargs="?",
                         const="yes")
     launch.add_argument("--only-output-from-instance", type=int, default=None)
@@ -447,6 +541,7 @@ def _launch(args: argparse.Namespace) -> int:
                       ipus_per_replica=args.ipus_per_replica, coordinator=args.coordinator,
                       hosts=args.host.split(",") if args.host else (),
                       host_index=args.host_index, fault_timeout=args.fault_timeout,
+                      start_timeout=args.start_timeout, secret_file=args.secret_file,
                       print_topology=args.print_topology == "yes",
                       only_output_from_instance=args.only_output_from_instance,
                       timeout=args.timeout)
@@ -464,7 +559,7 @@ def _run_script(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     program: list[str] = []
-    if argv[:1] in (["poprun"], ["ipujob"]) and "--" in argv:
+    if argv[:1] in (["poprun"], ["ipujob"], ["slurm"], ["k8sjob"]) and "--" in argv:
         cut = argv.index("--")
         argv, program = argv[:cut], argv[cut + 1:]
     args = _parser().parse_args(argv)

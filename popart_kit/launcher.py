@@ -3,8 +3,11 @@
 Each instance is one process of ``PROGRAM`` with the environment poprun gives it (the POPDIST_*
 variables: total and local replicas, replica offset, IPUs per replica, local instance index)
 plus the coordinator the xla backend's instances meet at (``POPART_KIT_COORDINATOR``, on the
-loopback address by default) and the fault bound (``POPART_KIT_FAULT_TIMEOUT``). Option names
-are poprun's, so a command line moves between the two by changing the program name.
+loopback address by default), how long they wait to meet (``POPART_KIT_START_TIMEOUT``), the
+fault bound (``POPART_KIT_FAULT_TIMEOUT``) and the job's secret (``POPART_KIT_JOB_SECRET``: a
+random one per launch, or the one shared by every host's launch, from ``secret_file`` or that
+variable), which an instance must prove to join. Option names are poprun's, so a command line
+moves between the two by changing the program name.
 
 Each instance's output is forwarded line by line with an ``[instance i]`` prefix. When an
 instance fails, the others get ``fault_timeout`` seconds to stop on their own (the xla backend's
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,11 +33,21 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .errors import ConfigError
-from ._config.popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE, JOINED, PopdistEnv
+from ._config.cluster import PER_PROCESS
+from ._config.popdist import (
+    COORDINATOR,
+    FAULT_TIMEOUT,
+    FAULT_TIMEOUT_VARIABLE,
+    JOINED,
+    PEER_FAILED,
+    SECRET,
+    START_TIMEOUT,
+    START_TIMEOUT_VARIABLE,
+    PopdistEnv,
+)
 
-__all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT"]
+__all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT", "START_TIMEOUT"]
 
-FAULT_TIMEOUT = 30.0  # seconds
 _POLL = 0.05
 _KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
 
@@ -46,7 +60,7 @@ class LaunchError(ConfigError):
 
 def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
            coordinator: str | None, hosts: Sequence[str], host_index: int,
-           fault_timeout: float) -> tuple[list[str], str]:
+           fault_timeout: float, start_timeout: float) -> tuple[list[str], str]:
     """Every problem of a launch at once; the program resolved and the coordinator to use."""
     problems = []
     for name, value in (("--num-instances", instances), ("--num-replicas", replicas),
@@ -67,6 +81,8 @@ def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
                         f"host(s) (0..{max(len(hosts), 1) - 1})")
     if not 0 < fault_timeout <= 3600:
         problems.append(f"--fault-timeout {fault_timeout} is not between 0 and 3600 seconds")
+    if not 0 < start_timeout <= 3600:
+        problems.append(f"--start-timeout {start_timeout} is not between 0 and 3600 seconds")
     resolved = list(program)
     if not resolved:
         problems.append("no program given: put it after '--', e.g. -- python3 train.py")
@@ -94,6 +110,33 @@ def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
     if problems:
         raise LaunchError("popart-kit launch: " + "; ".join(problems) + ".")
     return resolved, address
+
+
+def _secret(base: Mapping[str, str], secret_file: str | None, hosts: Sequence[str]) -> str:
+    """The job's secret: read from ``secret_file``, else ``base``'s, else (one host) a new
+    random one. Refuses an unreadable or empty file, and several hosts without a shared one."""
+    if secret_file is not None:
+        try:
+            with open(secret_file, encoding="utf-8") as f:
+                found = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise LaunchError(f"popart-kit launch: --secret-file {secret_file!r} cannot be read "
+                              f"({err}).") from None
+        if not found:
+            raise LaunchError(f"popart-kit launch: --secret-file {secret_file!r} is empty. Fix: "
+                              f"write a random value into it, e.g. `python3 -c 'import secrets; "
+                              f"print(secrets.token_hex(32))' > {secret_file}`.")
+        return found
+    if base.get(SECRET):
+        return base[SECRET]
+    if len(hosts) > 1:
+        raise LaunchError(f"popart-kit launch: {len(hosts)} hosts need one job secret shared by "
+                          f"every host's launch, so that no other process can join as an "
+                          f"instance. Fix: give each host's launch --secret-file FILE with the "
+                          f"same content (e.g. from `python3 -c 'import secrets; "
+                          f"print(secrets.token_hex(32))'`), or set {SECRET} to the same value "
+                          f"on every host.")
+    return secrets.token_hex(32)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -155,6 +198,13 @@ def _describe(status: int) -> str:
     return f"exit status {status}"
 
 
+def _first_failure(processes: Mapping[int, subprocess.Popen]) -> tuple[int, int] | None:
+    """The first failed instance and its status, by instance order, preferring one that did
+    not end because another failed (status PEER_FAILED); None when none failed yet."""
+    failed = [(i, p.returncode) for i, p in processes.items() if p.returncode not in (None, 0)]
+    return min(failed, key=lambda f: f[1] == PEER_FAILED, default=None)
+
+
 def _stop(processes: Mapping[int, subprocess.Popen]) -> None:
     """Stop every process still running (its whole process group), and reap them."""
     running = [p for p in processes.values() if p.poll() is None]
@@ -188,7 +238,8 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
 def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
            ipus_per_replica: int = 1, coordinator: str | None = None,
            hosts: Sequence[str] = (), host_index: int = 0,
-           fault_timeout: float = FAULT_TIMEOUT, print_topology: bool = False,
+           fault_timeout: float = FAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
+           secret_file: str | None = None, print_topology: bool = False,
            only_output_from_instance: int | None = None, env: Mapping[str, str] | None = None,
            timeout: float | None = None, out: IO[str] | None = None,
            err: IO[str] | None = None) -> int:
@@ -196,20 +247,26 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
     host; with ``hosts``, the instances of host ``host_index``). Returns 0 when every instance
     succeeded, else the first failing instance's status (128 + signal when it was killed).
     ``timeout`` (seconds) bounds the whole run: instances still running then are stopped and
-    the launch fails (status 124, as timeout(1)).
-    Bad arguments, a missing program or a coordinator port in use raise LaunchError before
-    anything starts."""
+    the launch fails (status 124, as timeout(1)). The instances wait ``start_timeout`` seconds
+    to meet, and an instance that stops or hangs later ends the others within
+    ``fault_timeout`` (status 3). Each launch makes a random job secret, which an instance must
+    prove to join; several hosts share one: ``secret_file``, or ``POPART_KIT_JOB_SECRET`` set
+    alike on each.
+    Bad arguments, a missing program, a coordinator port in use or several hosts without a
+    shared secret raise LaunchError before anything starts."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     program, address = _check(program, num_instances, num_replicas, ipus_per_replica,
-                              coordinator, hosts, host_index, fault_timeout)
+                              coordinator, hosts, host_index, fault_timeout, start_timeout)
     local = num_replicas // num_instances
     per_host = num_instances // max(len(hosts), 1)
     mine = range(host_index * per_host, (host_index + 1) * per_host)
     if print_topology:
         err.write(topology(num_instances, num_replicas, ipus_per_replica,
                            list(hosts) or ["localhost"]) + "\n")
-    base = dict(os.environ if env is None else env)
+    base = {k: v for k, v in (os.environ if env is None else env).items()
+            if k not in PER_PROCESS}  # an enclosing srun/mpirun placed this launcher, not these
+    secret = _secret(base, secret_file, hosts)
     joined = tempfile.TemporaryDirectory(prefix="popart-kit-launch-")
     lock = threading.Lock()
     processes: dict[int, subprocess.Popen] = {}
@@ -220,8 +277,9 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
             variables = PopdistEnv(num_replicas, local, i * local, ipus_per_replica,
                                    i - mine.start).to_env()
             variables.update({COORDINATOR: address, FAULT_TIMEOUT_VARIABLE:
-                              str(max(1, round(fault_timeout))), JOINED: joined.name,
-                              "PYTHONUNBUFFERED": "1"})
+                              str(max(1, round(fault_timeout))), START_TIMEOUT_VARIABLE:
+                              str(max(1, round(start_timeout))), SECRET: secret,
+                              JOINED: joined.name, "PYTHONUNBUFFERED": "1"})
             p = subprocess.Popen(program, env={**base, **variables}, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  preexec_fn=_start_instance)
@@ -243,8 +301,7 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
                               f"stopping them.\n")
                 break
             if failed is None:
-                failed = next(((i, p.returncode) for i, p in processes.items()
-                               if p.returncode not in (None, 0)), None)
+                failed = _first_failure(processes)
                 if failed is not None:
                     deadline = time.monotonic() + fault_timeout
                     with lock:
@@ -260,8 +317,7 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
                 break
             time.sleep(_POLL)
         if failed is None:  # every one ended: the first to fail, by instance order
-            failed = next(((i, p.returncode) for i, p in processes.items()
-                           if p.returncode != 0), None)
+            failed = _first_failure(processes)
         # instances of a distributed session that never came to meet the others (the xla
         # backend marks coming); only meaningful when some did
         marked = {int(n) for n in os.listdir(joined.name) if n.isdigit()}
@@ -277,7 +333,7 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
     with lock:
         if missing and index not in missing:
             err.write(f"popart-kit launch: instance(s) {', '.join(map(str, missing))} never "
-                      f"came to meet the others (within {fault_timeout:g} s).\n")
+                      f"came to meet the others (within {start_timeout:g} s).\n")
         err.write(f"popart-kit launch: instance {index} failed ({_describe(status)}).\n")
         err.flush()
     return 128 - status if status < 0 else status

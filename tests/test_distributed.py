@@ -141,7 +141,7 @@ def test_an_instance_that_never_comes_is_named(tmp_path):
         f"sys.argv = [sys.argv[0]]\nrunpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
     start = time.monotonic()
     status, _, err = run_launch([sys.executable, str(program)], num_instances=2,
-                                num_replicas=2, fault_timeout=3)
+                                num_replicas=2, fault_timeout=3, start_timeout=3)
     assert status != 0
     assert "instance(s) 1 never came to meet the others" in err
     assert time.monotonic() - start < 60

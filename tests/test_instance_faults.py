@@ -1,4 +1,5 @@
-"""Instances of a distributed xla session that never meet: a clear error in time, no abort.
+"""Instances of a distributed xla session that never meet, or stop or hang mid-run: a clear
+error naming the instance in time, a documented exit status, never an abort.
 
 Instances are started by hand with the environment `popart-kit launch` gives them, on the
 loopback address only; every process runs in its own session under a hard time bound, and its
@@ -7,6 +8,7 @@ whole process group is checked gone afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -20,12 +22,13 @@ from pathlib import Path
 import pytest
 
 import popart_kit as pk
-from popart_kit._config.popdist import COORDINATOR, FAULT_TIMEOUT_VARIABLE
+from popart_kit._config.popdist import (COORDINATOR, FAULT_TIMEOUT_VARIABLE, SECRET,
+                                       START_TIMEOUT_VARIABLE)
 from popart_kit._runtime.xla import distributed
 from popart_kit._runtime.xla.distributed import InstanceFailed, World
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "distributed_training.py"
-FAULT = 5  # seconds: the fault timeout these tests give the instances
+FAULT = 5  # seconds: the fault and start timeouts these tests give the instances
 MARGIN = 8  # seconds: starting Python and JAX on a busy 2-core machine, and stopping
 BOUND = 120  # seconds: no process here may run longer
 
@@ -40,12 +43,34 @@ def no_core_dump() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def start(index: int, port: int) -> subprocess.Popen:
-    """Instance ``index`` of two (one replica each) of the example, as the launcher starts it."""
+FOREVER = """import os, runpy, sys, time
+example = runpy.run_path(sys.argv[1])
+import popart_kit as pk
+model, names = example['build']()
+cfg = pk.SessionConfig(mode='training').with_popdist_env()
+sess = pk.TrainingSession(model, cfg, loss=names['loss'], optimizer=pk.SGD(0.1), backend='xla')
+step = 0
+while True:
+    sess.run(sess.io.shard(example['global_data'](step, 1, 1, 2, names)))
+    if step == 1:
+        print('ready', flush=True)
+    step += 1
+    time.sleep(0.01)
+"""
+
+
+def start(index: int, port: int, *args: str, secret: str | None = "job-secret",
+          start_timeout: int = FAULT,
+          program: tuple[str, ...] = (str(EXAMPLE), "--steps", "1")) -> subprocess.Popen:
+    """Instance ``index`` of two (one replica each) of ``program`` with ``args``, as the launcher
+    starts it (``secret`` None: none)."""
     env = {**os.environ, **pk.PopdistEnv(2, 1, index, 1, index).to_env(),
            COORDINATOR: f"127.0.0.1:{port}", FAULT_TIMEOUT_VARIABLE: str(FAULT),
-           "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(EXAMPLE), "--steps", "1"], env=env,
+           START_TIMEOUT_VARIABLE: str(start_timeout), "PYTHONUNBUFFERED": "1"}
+    env.pop(SECRET, None)
+    if secret is not None:
+        env[SECRET] = secret
+    return subprocess.Popen([sys.executable, *program, *args], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=no_core_dump)
@@ -69,7 +94,7 @@ def finish(p: subprocess.Popen, started: float) -> tuple[int, str, float]:
 def assert_clean_failure(status: int, err: str, took: float, *names: str) -> None:
     assert status > 0, f"status {status} (negative: killed by a signal)\n{err[-3000:]}"
     assert "Check failure" not in err and "Fatal Python error" not in err, err[-3000:]
-    assert "InstanceFailed" in err and f"within the fault timeout of {FAULT} s" in err, err[-3000:]
+    assert "InstanceFailed" in err and f"within the start timeout of {FAULT} s" in err, err[-3000:]
     for name in names:
         assert name in err, err[-3000:]
     assert took < FAULT + MARGIN, f"{took:.1f} s"
@@ -111,7 +136,8 @@ def meet(worlds: list[World]) -> dict[int, Exception | None]:
 
     def one(here: World) -> None:
         try:
-            distributed.rendezvous(here)
+            for peer in distributed.rendezvous(here).values():
+                peer.conn.close()
             found[here.process_id] = None
         except Exception as err:
             found[here.process_id] = err
@@ -127,7 +153,7 @@ def meet(worlds: list[World]) -> dict[int, Exception | None]:
 
 def test_instance_0_tells_the_waiting_instances_who_never_came():
     address = f"127.0.0.1:{free_port()}"
-    found = meet([World(3, 0, address, 1, "test"), World(3, 1, address, 1, "test")])
+    found = meet([World(3, 0, address, 1, "test", 1), World(3, 1, address, 1, "test", 1)])
     for index in (0, 1):
         assert isinstance(found[index], InstanceFailed)
         assert f"instance 2 of 3 never came to meet instance {index}" in str(found[index])
@@ -135,7 +161,38 @@ def test_instance_0_tells_the_waiting_instances_who_never_came():
 
 def test_an_instance_of_another_launch_is_refused():
     address = f"127.0.0.1:{free_port()}"
-    found = meet([World(2, 0, address, 1, "test"), World(3, 1, address, 1, "test")])
+    found = meet([World(2, 0, address, 1, "test", 1), World(3, 1, address, 1, "test", 1)])
     assert isinstance(found[0], InstanceFailed), found[0]
     assert isinstance(found[1], pk.ConfigError) and not isinstance(found[1], InstanceFailed)
     assert "refused it: it is one of 3 instances, instance 0 one of 2" in str(found[1])
+
+
+@pytest.mark.parametrize("signal_name,victim", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGSTOP", 0)])
+def test_an_instance_killed_or_hung_mid_run_ends_the_other_named_in_time(
+        tmp_path, signal_name, victim):
+    """The survivor ends with the kit's InstanceFailed naming the instance and what was seen,
+    exit status PEER_FAILED, within the fault timeout; never JAX's abort."""
+    program = tmp_path / "forever.py"
+    program.write_text(FOREVER)
+    port = free_port()
+    instances = [start(i, port, str(EXAMPLE), program=(str(program),)) for i in (0, 1)]
+    try:
+        for p in instances:  # both trained two steps (gloo also writes to stdout)
+            assert "ready\n" in iter(p.stdout.readline, ""), f"instance exited {p.wait()}"
+        hit = time.monotonic()
+        os.killpg(instances[victim].pid, getattr(signal, signal_name))
+        status, err, took = finish(instances[1 - victim], hit)
+    finally:
+        for p in instances:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=BOUND)
+    seen = "stopped: its connection closed" if signal_name == "SIGKILL" else (
+        f"sent no heartbeat for {FAULT} s")
+    print(f"{signal_name} to instance {victim}: instance {1 - victim} exited {status} after "
+          f"{took:.2f} s (fault timeout {FAULT} s)")
+    assert status == distributed.PEER_FAILED, f"status {status}\n{err[-3000:]}"
+    assert "Check failure" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert (f"InstanceFailed: instance {1 - victim} of 2: instance {victim} of 2 (on 127.0.0.1) "
+            f"{seen}") in err, err[-3000:]
+    assert took < FAULT + MARGIN if signal_name == "SIGSTOP" else took < MARGIN

@@ -136,12 +136,17 @@ RULES: dict[str, tuple[str, str]] = {
     "K-file-depth": ("Nesting no deeper than a config needs; YAML aliases bounded.", _KIT),
     "K-file-top-level": ("The top level of a config file is a table.", _KIT),
     "K-cli-instance": ("popart-kit plan --instance names an existing instance.", _KIT),
-    "K-launch-program": ("poprun launches one program: no ';', '&&', '|' in it (setup goes "
-                         "before poprun).", "poprun would launch the first word."),
+    "K-launch-program": ("A launcher (poprun, srun, a pod) starts one program: no ';', '&&', "
+                         "'|' in it (setup goes before it), and not none.",
+                         "poprun would launch the first word."),
     "K-launch-poprun-args": ("Extra poprun arguments do not set what the config decides.",
                              "poprun's --num-replicas, ... must match the session."),
-    "K-launch-k8s": ("IPUJob names are DNS-1123 labels; image, CPU and memory well formed.",
-                     "kubectl refuses the resource."),
+    "K-launch-k8s": ("IPUJob names are DNS-1123 labels, Indexed Job names DNS-1035 labels "
+                     "short enough for the pods' host names; image, CPU, memory, port and "
+                     "secret well formed.", "kubectl refuses the resource."),
+    "K-launch-slurm": ("A SLURM job's name is plain, its nodes split the instances evenly, its "
+                       "CPUs per task, time limit and port well formed.",
+                       "sbatch refuses the script, or srun starts uneven instances."),
     "K-report-missing": ("popart-kit report DIR needs a report an xla session wrote.", _KIT),
     "K-bench-sweep": ("A bench sweep's lists are distinct positive integers, its variants valid "
                       "sessions (else refused before anything runs, or --skip-invalid).", _KIT),
@@ -217,6 +222,10 @@ RULES: dict[str, tuple[str, str]] = {
     "K-instance-failed": ("A run stops with an error naming the instance that died or never "
                           "arrived, within the fault timeout.",
                           "PopART under poprun: MPI aborts the job."),
+    "K-cluster-env": ("The launchers' variables (POPDIST_*, Open MPI, PMIx, SLURM, torchrun, "
+                      "a Kubernetes Indexed Job, JAX) agree on the process count, index and "
+                      "coordinator, and a process a launcher counts as one of several does not "
+                      "run as a lone job.", "kit rule: poprun's popdist reads POPDIST_* only"),
     "K-launch": ("popart-kit launch gets consistent counts, an existing program and a free "
                  "coordinator port, before anything starts.",
                  "poprun: its own checks of --num-instances/--num-replicas."),

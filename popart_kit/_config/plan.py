@@ -326,6 +326,45 @@ class Plan:
 
         return to_yaml(self.ipujob_manifest(image, command, name, **options))
 
+    def slurm_script(self, program: str | Sequence[str], **options: Any) -> str:
+        """A SLURM batch script (for ``sbatch``) that starts every instance of this session as
+        one task, on the embedded runtime.
+
+        The ``#SBATCH`` lines ask for ``nodes`` hosts (default: one instance per host) with the
+        instances split evenly, ``cpus_per_task`` cores and ``time`` when given, under
+        ``job_name``. The script runs the ``setup`` shell commands, exports the POPDIST_*
+        job-wide facts, ``POPART_KIT_COORDINATOR`` (the allocation's first host and ``port``)
+        and a fresh random ``POPART_KIT_JOB_SECRET``, and ``srun``s ``program``; each task finds
+        its index in ``SLURM_PROCID``.
+        """
+        from .job_artefacts import slurm_script
+
+        return slurm_script(self, program, **options)
+
+    def k8s_job_manifests(self, image: str, command: str | Sequence[str], name: str,
+                          **options: Any) -> list[dict[str, Any]]:
+        """Kubernetes objects that start every instance of this session as one pod, on the
+        embedded runtime: a headless Service ``name``, a Secret ``<name>-secret`` holding
+        ``secret`` (left out when ``secret`` is None: create it with ``kubectl create secret``)
+        and an Indexed Job ``name`` of one pod per instance.
+
+        Each pod runs the ``setup`` shell commands, then ``command``, with the POPDIST_*
+        job-wide facts, ``POPART_KIT_NUM_INSTANCES``, ``POPART_KIT_COORDINATOR`` (pod 0,
+        ``<name>-0.<name>:<port>``) and ``POPART_KIT_JOB_SECRET`` from the Secret; Kubernetes
+        gives its index in ``JOB_COMPLETION_INDEX``. ``cpu`` and ``memory`` are the container's
+        limits when given. ``name`` must be a DNS-1035 label.
+        """
+        from .job_artefacts import k8s_job_manifests
+
+        return k8s_job_manifests(self, image, command, name, **options)
+
+    def k8s_job_yaml(self, image: str, command: str | Sequence[str], name: str,
+                     **options: Any) -> str:
+        """:meth:`k8s_job_manifests` as the YAML ``kubectl apply -f -`` reads."""
+        from .job_artefacts import to_yaml
+
+        return to_yaml(self.k8s_job_manifests(image, command, name, **options))
+
     def render(self, width: int = 100) -> str:
         """Readable tables of the plan (what ``popart-kit plan`` prints)."""
         from .._base.render import to_text

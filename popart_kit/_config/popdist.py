@@ -5,19 +5,24 @@ poprun passes every instance its share of the replicas through environment varia
 POPDIST_NUM_IPUS_PER_REPLICA, ...). Instance count and index are derived from them, as popdist does
 for a uniform number of replicas per instance. Values must be ASCII decimal integers; every
 missing, malformed or inconsistent variable is named in one :class:`~popart_kit.errors.ConfigError`.
+
+Under another launcher (mpirun, srun, torchrun, a Kubernetes indexed Job) the job-wide
+POPDIST_NUM_TOTAL_REPLICAS and POPDIST_NUM_IPUS_PER_REPLICA may be exported for every process
+alike: this process's share (local replicas = total / processes, offset = index x local) then
+comes from its place in the job (:func:`popart_kit._config.cluster.place`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from .fields import MAX_COUNT, Replication, SessionFields, read_popdist_with
+from .fields import MAX_COUNT, Replication, SessionFields
 from .rules import MAX_GLOBAL_IPUS
 from ..errors import ConfigError, short
 
@@ -32,7 +37,12 @@ LOCAL_INSTANCE = "POPDIST_LOCAL_INSTANCE_INDEX"
 # What popart-kit launch adds for the xla backend's instances (read by its distributed module):
 COORDINATOR = "POPART_KIT_COORDINATOR"  # where the instances meet
 FAULT_TIMEOUT_VARIABLE = "POPART_KIT_FAULT_TIMEOUT"
+START_TIMEOUT_VARIABLE = "POPART_KIT_START_TIMEOUT"  # how long instances wait to meet
+SECRET = "POPART_KIT_JOB_SECRET"  # the job's secret, proven (never sent) when instances meet
 JOINED = "POPART_KIT_JOINED_DIR"  # an instance about to meet the others writes a file there
+PEER_FAILED = 3  # exit status of an instance the kit ends because another instance failed
+FAULT_TIMEOUT = 30  # seconds: default bound on noticing a stopped or hung instance
+START_TIMEOUT = 300  # seconds: default wait for the instances to meet (a slow host may load)
 _REQUIRED = (TOTAL, LOCAL, OFFSET, IPUS)
 _DECIMAL = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, "_", spaces or other scripts
 _FIX = ("Fix: start the program with poprun (or popart-kit launch), which sets all of them "
@@ -46,6 +56,21 @@ def _integer(raw: object) -> int | None:
     return None
 
 
+def _share(values: dict[str, int], env: Mapping[str, str], place: Callable[..., Any]) -> list[str]:
+    """Put this process's local replicas, offset and local instance index into ``values``
+    from the job-wide total and its place in the job (``place(env)``: processes, process_id,
+    local_rank, source); the problem if the total does not divide."""
+    here = place(env)
+    if values[TOTAL] % here.processes:
+        return [f"{TOTAL}={values[TOTAL]} exported for the whole job is not a multiple of its "
+                f"{here.processes} processes ({here.source}): every instance runs the same "
+                f"number of replicas"]
+    values[LOCAL] = values[TOTAL] // here.processes
+    values[OFFSET] = here.process_id * values[LOCAL]
+    values.setdefault(LOCAL_INSTANCE, here.local_rank or 0)
+    return []
+
+
 @dataclass(frozen=True)
 class PopdistEnv:
     """This instance's view of a poprun launch."""
@@ -57,8 +82,13 @@ class PopdistEnv:
     local_instance_index: int = 0
 
     @classmethod
-    def read(cls, env: Mapping[str, str] | None = None) -> PopdistEnv:
-        """Parse the variables; every missing, malformed or inconsistent one is reported at once."""
+    def read(cls, env: Mapping[str, str] | None = None,
+             place: Callable[..., Any] | None = None) -> PopdistEnv:
+        """Parse the variables; every missing, malformed or inconsistent one is reported at once.
+
+        ``place`` (:func:`popart_kit._config.cluster.place`) tells this process's place in the
+        job, which gives its share where only job-wide values (total replicas, IPUs per
+        replica) are exported; without it they are refused as incomplete."""
         env = os.environ if env is None else env
         if not isinstance(env, Mapping):
             raise ConfigError(f"env must be a mapping of variable names to strings, got "
@@ -66,7 +96,11 @@ class PopdistEnv:
         problems: list[str] = []
         # unset, None (a mapping built with os.environ.get) and empty all mean "not given"
         missing = [name for name in _REQUIRED if env.get(name) in (None, "")]
-        if len(missing) == len(_REQUIRED):
+        job_wide = (place is not None and LOCAL in missing and OFFSET in missing
+                    and TOTAL not in missing)
+        if job_wide:  # exported for the whole job: the share comes from the process's place
+            missing = [name for name in missing if name not in (LOCAL, OFFSET)]
+        elif len(missing) == len(_REQUIRED):
             raise ConfigError(
                 f"not launched by poprun: none of {', '.join(_REQUIRED)} is set. Fix: start the "
                 f"program with poprun (see Plan.poprun_command) or `popart-kit launch`.",
@@ -96,6 +130,8 @@ class PopdistEnv:
             problems.append(f"{TOTAL}={values[TOTAL]} × {IPUS}={values[IPUS]} = "
                             f"{values[TOTAL] * values[IPUS]} IPUs, more than the largest IPU "
                             f"system connects ({MAX_GLOBAL_IPUS})")
+        if job_wide and TOTAL in values:
+            problems += _share(values, env, place)
         if problems:
             raise ConfigError("poprun environment: " + "; ".join(problems) + ". " + _FIX,
                               rule="K-popdist-env")
@@ -156,5 +192,3 @@ class PopdistEnv:
                 OFFSET: str(self.replica_index_offset),
                 LOCAL_INSTANCE: str(self.local_instance_index)}
 
-
-read_popdist_with(lambda env: PopdistEnv.read(env).replication())

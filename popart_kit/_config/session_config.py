@@ -26,7 +26,7 @@ from .._base.problems import emit_warnings, raise_errors
 from .rules import check_config
 from ..errors import ConfigError, InvalidConfig
 from .plan import Plan
-from .popdist import PopdistEnv
+from .cluster import popdist_env
 
 __all__ = [
     "SessionConfig",
@@ -67,7 +67,7 @@ class SessionConfig(SessionFields):
 
     def with_popdist_env(self, env: Mapping[str, str] | None = None) -> SessionConfig:
         """A copy whose replication and ipus_per_replica come from poprun's environment."""
-        return PopdistEnv.read(env).apply(self)
+        return popdist_env(env).apply(self)
 
     # -- PopART mapping ---------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Run a PopART program unchanged: ``import popart`` resolves to popart_kit.popart."""
+"""Run a PopART program unchanged: ``import popart`` resolves to popart_kit.popart, and
+``import popdist`` / ``import popdist.popart`` to popart_kit.popdist."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from collections.abc import Sequence
 
 
 def install_alias() -> None:
-    """Make ``import popart`` give popart_kit.popart in this process (a test suite's conftest
-    can call this; backend "auto" still never takes the alias for the Poplar SDK)."""
+    """Make ``import popart`` give popart_kit.popart and ``import popdist`` (with
+    ``popdist.popart``) popart_kit.popdist in this process (a test suite's conftest can call
+    this; backend "auto" still never takes the alias for the Poplar SDK)."""
     from .. import popart
+    from ..popdist import popart as popdist_popart
 
     sys.modules["popart"] = popart
+    sys.modules["popdist"] = sys.modules[popdist_popart.__package__]
+    sys.modules["popdist.popart"] = popdist_popart
 
 
 def run_script(script: str, args: Sequence[str] = ()) -> int:

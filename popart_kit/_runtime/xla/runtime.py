@@ -28,7 +28,7 @@ from ..._base.shapes import AnchorReturnType
 from ..._host.stepio import StepIOFactory, TensorSpec
 from ..backend import check_weights
 from .anchors import AnchorBuffers, chunk_size
-from .distributed import initialize, watching
+from .distributed import initialize, watching, world
 from .lowering import LoweredGraph, lower
 from .ops import partials
 from .memory import check_fits
@@ -55,7 +55,8 @@ class XlaBackend:
                  anchors: Mapping[str, AnchorReturnType],
                  micro_batches_per_chunk: int | None = None,
                  pipeline_workers: str = "threads") -> None:
-        if config.replication.is_distributed:  # one process of several: join the others
+        if world(config.replication).processes > 1:  # one of several: join the others (a
+            # process a launcher says is one of several but the replication is not is refused)
             initialize(config.replication)
         ensure_host_devices()  # before the lowering starts JAX
         self.model, self.config = model, config
