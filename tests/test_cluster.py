@@ -1,9 +1,10 @@
 """Where a process stands in its job, from any launcher's variables; ``popdist`` on the kit.
 
 The resolution is pure and tested per launcher, with conflicts and the refusal of a process that
-a launcher says is one of several but whose session is a lone job. Two real runs on 127.0.0.1
-(bounded, nothing left running) train a PopART program written for poprun's popdist, once under
-``popart-kit launch`` and once with torchrun's variables, against one process with all replicas.
+a launcher says is one of several but whose session is a lone job. Real runs on 127.0.0.1
+(bounded, nothing left running) train a PopART program written for poprun's popdist as two
+processes - under ``popart-kit launch``, and placed only by the variables of torchrun, srun,
+mpirun, a Kubernetes Indexed Job and JAX - against one process with all replicas.
 """
 
 from __future__ import annotations
@@ -255,15 +256,40 @@ def test_popdist_program_under_popart_kit_launch(one_process_weights, tmp_path):
     print(f"launch 2 x 2 vs 1 x 4: max difference {worst:.3g}")
 
 
-def test_popdist_program_with_torchrun_variables(one_process_weights, tmp_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "POPDIST_NUM_TOTAL_REPLICAS": "4", "POPDIST_NUM_IPUS_PER_REPLICA": "1",
+        return s.getsockname()[1]
+
+
+# What each launcher gives process r of 2, with instance 0 at ADDRESS (on 127.0.0.1).
+LAUNCHERS = {
+    "torchrun": lambda r, address: {"WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r),
+                                    "MASTER_ADDR": address.split(":")[0],
+                                    "MASTER_PORT": address.split(":")[1]},
+    "srun": lambda r, address: {"SLURM_NTASKS": "2", "SLURM_PROCID": str(r),
+                                "SLURM_LOCALID": str(r), "SLURM_STEP_NODELIST": "localhost",
+                                "SLURM_JOB_ID": "7", "POPART_KIT_COORDINATOR": address},
+    "mpirun": lambda r, address: {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(r),
+                                  "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+                                  "POPART_KIT_COORDINATOR": address},
+    "kubernetes": lambda r, address: {"JOB_COMPLETION_INDEX": str(r),
+                                      "POPART_KIT_NUM_INSTANCES": "2",
+                                      "POPART_KIT_COORDINATOR": address},
+    "jax": lambda r, address: {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(r),
+                               "JAX_COORDINATOR_ADDRESS": address},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_popdist_program_under_each_launchers_variables(one_process_weights, tmp_path, launcher):
+    """The same PopART program, unchanged, as two processes that only the launcher's own
+    variables place (the job-wide POPDIST_* and the secret exported for the whole job)."""
+    address = f"127.0.0.1:{_free_port()}"
+    job = {"POPDIST_NUM_TOTAL_REPLICAS": "4", "POPDIST_NUM_IPUS_PER_REPLICA": "1",
            "POPART_KIT_JOB_SECRET": "test-secret", "POPART_KIT_FAULT_TIMEOUT": "20",
            "POPART_KIT_START_TIMEOUT": "60"}
-    procs = [run_program(tmp_path, env=clean_env(**job, RANK=str(r), LOCAL_RANK=str(r)))
+    procs = [run_program(tmp_path, env=clean_env(**job, **LAUNCHERS[launcher](r, address)))
              for r in range(2)]
     try:
         for p in procs:
@@ -273,5 +299,5 @@ def test_popdist_program_with_torchrun_variables(one_process_weights, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    print(f"torchrun 2 x 2 vs 1 x 4: max difference "
+    print(f"{launcher} 2 x 2 vs 1 x 4: max difference "
           f"{check_instances(tmp_path, one_process_weights):.3g}")
