@@ -195,6 +195,9 @@ def _describe(status: int) -> str:
             return f"killed by {signal.Signals(-status).name}"
         except ValueError:
             return f"killed by signal {-status}"
+    if status == PEER_FAILED:
+        return (f"exit status {status}: another instance of the job stopped or hung, as its "
+                f"message above says")
     return f"exit status {status}"
 
 

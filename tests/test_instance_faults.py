@@ -196,3 +196,62 @@ def test_an_instance_killed_or_hung_mid_run_ends_the_other_named_in_time(
     assert (f"InstanceFailed: instance {1 - victim} of 2: instance {victim} of 2 (on 127.0.0.1) "
             f"{seen}") in err, err[-3000:]
     assert took < FAULT + MARGIN if signal_name == "SIGSTOP" else took < MARGIN
+
+
+def launch_host(index: int, port: int, secret_file: Path, program: Path,
+                start_timeout: int = 60) -> subprocess.Popen:
+    """``popart-kit launch`` of host ``index`` of two (127.0.0.1 and 127.0.0.2, one instance
+    each) around ``program``, as each host of a job would run it."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET}
+    return subprocess.Popen(
+        [sys.executable, "-m", "popart_kit.cli", "launch", "--num-instances", "2",
+         "--num-replicas", "2", "--host", "127.0.0.1,127.0.0.2", "--host-index", str(index),
+         "--coordinator", f"127.0.0.1:{port}", f"--secret-file={secret_file}",
+         "--fault-timeout", str(FAULT), "--start-timeout", str(start_timeout), "--",
+         sys.executable, str(program), str(EXAMPLE)],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=no_core_dump)
+
+
+def test_a_host_whose_launcher_is_killed_ends_the_other_host_named_in_time(tmp_path):
+    """Two launches as two hosts sharing a secret file; killing host B's launcher (its instance
+    dies with it) ends host A's launch with the kit's message and status PEER_FAILED."""
+    program, secret = tmp_path / "forever.py", tmp_path / "secret"
+    program.write_text(FOREVER)
+    secret.write_text("shared-by-both-hosts\n")
+    port = free_port()
+    hosts = [launch_host(i, port, secret, program) for i in (0, 1)]
+    try:
+        for h in hosts:
+            assert any(line.endswith("ready\n") for line in iter(h.stdout.readline, "")
+                       if "ready" in line or not line), f"launch exited {h.wait()}"
+        hit = time.monotonic()
+        os.killpg(hosts[1].pid, signal.SIGKILL)
+        out = hosts[0].stdout.read()  # the instance's output, forwarded: until it ends
+        status, err, took = finish(hosts[0], hit)
+    finally:
+        for h in hosts:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(h.pid, signal.SIGKILL)
+            h.communicate(timeout=BOUND)
+    print(f"host B's launcher killed: host A's launch exited {status} after {took:.2f} s")
+    assert status == distributed.PEER_FAILED, f"status {status}\n{err[-3000:]}"
+    assert "Check failure" not in out + err and "Fatal Python error" not in out + err, out[-3000:]
+    assert "InstanceFailed: instance 0 of 2: instance 1 of 2 (on 127.0.0.1) stopped" in out, \
+        out[-3000:]
+    assert "another instance of the job stopped or hung" in err, err[-3000:]
+    assert took < MARGIN, f"{took:.1f} s"
+
+
+def test_a_host_that_never_starts_is_named_by_the_other_host_in_time(tmp_path):
+    program, secret = tmp_path / "forever.py", tmp_path / "secret"
+    program.write_text(FOREVER)
+    secret.write_text("shared-by-both-hosts\n")
+    started = time.monotonic()
+    host = launch_host(0, free_port(), secret, program, start_timeout=FAULT)
+    out = host.stdout.read()
+    status, err, took = finish(host, started)
+    print(f"host B never started: host A's launch exited {status} after {took:.1f} s")
+    assert status == 1, f"status {status}\n{err[-3000:]}"
+    assert "instance 1 of 2 never came to meet instance 0" in out, out[-3000:]
+    assert took < FAULT + MARGIN, f"{took:.1f} s"
