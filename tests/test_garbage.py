@@ -436,6 +436,14 @@ def test_batches_of_a_ragged_sample_is_refused():
         list(tiny_session().io.batches([[[1.0, 2.0], [3.0]]] * 4))
 
 
+@pytest.mark.parametrize("odd", [np.array((3.6e16,), dtype=[("a", "<f4")]), "", None,
+                                 np.array(["ab", "cd"])])
+def test_batches_of_samples_that_are_not_numbers_are_refused(odd):
+    samples = [np.ones(2, np.float32), odd, np.ones(2, np.float32), np.ones(2, np.float32)]
+    with pytest.raises(pk.DataTypeError, match="sample 1 of this run is of dtype"):
+        list(tiny_session().io.batches(samples))
+
+
 def test_layout_of_names_that_are_not_text_is_refused():
     data = _with_bytes(b"Relu:0", b"Rel\x9a:0")
     data = data[:_SECOND_STAGE] + _BROKEN_STAGE + data[_SECOND_STAGE + len(_STAGE):]

@@ -643,8 +643,12 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         stacked = {}
         for name, spec in factory.inputs.items():
             try:
-                block = np.stack([np.asarray(s[name]) for s in samples])
-            except ValueError:
+                arrays = [np.asarray(s[name]) for s in samples]
+                _refuse_non_numbers(name, arrays)
+                block = np.stack(arrays)
+            except ValueError as err:
+                if isinstance(err, DataError):
+                    raise
                 shapes = sorted({_shape_of(s[name]) for s in samples}, key=str)
                 raise DataError(f"input {name!r}: samples of different shapes {short(shapes)}, "
                                 f"expected {spec.shape[1:]}. Fix: yield one sample at a time, "
@@ -659,6 +663,17 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                 spec.shape, factory._bps, factory._accumulation,
                 factory.config.replication.global_replicas))
         return factory.shard(stacked)
+
+
+def _refuse_non_numbers(name: str, arrays: list[np.ndarray]) -> None:
+    """Samples are numbers (bool, integer, float, complex): the first that is not - text,
+    records, objects, dates - is refused, naming its index and dtype."""
+    for i, array in enumerate(arrays):
+        if array.dtype.kind not in "biufc":
+            raise DataTypeError(f"input {name!r}: sample {i} of this run is of dtype "
+                                f"{short(str(array.dtype))}, not numbers. Fix: yield numeric "
+                                f"arrays (e.g. float32) for every sample.",
+                                rule="K-stepio-sample")
 
 
 def _shape_of(value: Any) -> tuple[int, ...] | str:
