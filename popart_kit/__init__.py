@@ -36,6 +36,39 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 if TYPE_CHECKING:
     from ._base.problems import PopartKitWarning
+    from ._base.schedule import PipelineSchedule
+    from ._base.shapes import (
+        AnchorReturnType,
+        anchor_elements,
+        anchor_shape,
+        input_elements,
+        input_shape,
+    )
+    from ._config.plan import Plan, ReplicaPlacement
+    from ._config.popdist import PopdistEnv
+    from ._config.session_config import (
+        Accumulation,
+        Device,
+        Pipeline,
+        Precision,
+        Profiling,
+        Replication,
+        SessionConfig,
+    )
+    from ._host.stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
+    from ._model.builder import (
+        Builder,
+        BuilderError,
+        InputSettings,
+        PipelineBuilder,
+        ReductionType,
+        ReplicatedStreamMode,
+        TensorInfo,
+    )
+    from ._model.layout import PipelineLayout
+    from ._model.precision import to_half
+    from ._runtime.optimizers import SGD, Adam
+    from ._runtime.session import InferenceSession, TrainingSession
     from .errors import (
         ConfigError,
         ConfigTypeError,
@@ -51,40 +84,7 @@ if TYPE_CHECKING:
         PopartKitError,
         SessionClosedError,
     )
-    from ._model.builder import (
-        Builder,
-        BuilderError,
-        InputSettings,
-        PipelineBuilder,
-        ReductionType,
-        ReplicatedStreamMode,
-        TensorInfo,
-    )
-    from ._config.session_config import (
-        Accumulation,
-        Device,
-        Pipeline,
-        Precision,
-        Profiling,
-        Replication,
-        SessionConfig,
-    )
     from .launcher import launch
-    from ._model.layout import PipelineLayout
-    from ._runtime.optimizers import SGD, Adam
-    from ._config.plan import Plan, ReplicaPlacement
-    from ._config.popdist import PopdistEnv
-    from ._model.precision import to_half
-    from ._base.schedule import PipelineSchedule
-    from ._runtime.session import InferenceSession, TrainingSession
-    from ._base.shapes import (
-        AnchorReturnType,
-        anchor_elements,
-        anchor_shape,
-        input_elements,
-        input_shape,
-    )
-    from ._host.stepio import CallbackFeeder, RunBatches, StepIOFactory, TensorSpec
 
 __version__ = "0.1.0"
 

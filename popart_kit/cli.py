@@ -19,9 +19,9 @@ from rich.console import Console
 
 from ._base.problems import PopartKitWarning
 from ._base.render import problems_view
+from ._config.plan import plan_view
 from ._config.session_config import SessionConfig
 from .errors import ConfigError, PopartKitError, clip
-from ._config.plan import plan_view
 
 __all__ = ["main"]
 

@@ -32,7 +32,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from .errors import ConfigError
 from ._config.cluster import PER_PROCESS
 from ._config.popdist import (
     COORDINATOR,
@@ -45,6 +44,7 @@ from ._config.popdist import (
     START_TIMEOUT_VARIABLE,
     PopdistEnv,
 )
+from .errors import ConfigError
 
 __all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT", "START_TIMEOUT"]
 

@@ -17,9 +17,9 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from strategies import config_dicts
 
 import popart_kit as pk
-from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

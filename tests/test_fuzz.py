@@ -18,8 +18,8 @@ from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 import popart_kit as pk
-from popart_kit._model.index_check import IndexChecks
 from popart_kit._model.checks import check_model
+from popart_kit._model.index_check import IndexChecks
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

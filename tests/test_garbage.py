@@ -27,11 +27,11 @@ from strategies import config_dicts
 from test_fuzz import ARRAYS, FILE_TEXT, IO, VALUES, models
 
 import popart_kit as pk
+from popart_kit._model.layout import load_model
 from popart_kit._runtime.xla.profiling import REPORT, summary
 from popart_kit.bench import AXES, MAX_VARIANTS
 from popart_kit.bench._variants import OPTIONS, SETTINGS
 from popart_kit.cli import main
-from popart_kit._model.layout import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning",
                                         "ignore::DeprecationWarning")

@@ -22,8 +22,12 @@ from pathlib import Path
 import pytest
 
 import popart_kit as pk
-from popart_kit._config.popdist import (COORDINATOR, FAULT_TIMEOUT_VARIABLE, SECRET,
-                                       START_TIMEOUT_VARIABLE)
+from popart_kit._config.popdist import (
+    COORDINATOR,
+    FAULT_TIMEOUT_VARIABLE,
+    SECRET,
+    START_TIMEOUT_VARIABLE,
+)
 from popart_kit._runtime.xla import distributed
 from popart_kit._runtime.xla.distributed import InstanceFailed, World
 

@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 import pytest
+from test_instance_faults import BOUND, EXAMPLE, finish, free_port, meet, start
 
 import popart_kit as pk
 from popart_kit._config.popdist import SECRET
 from popart_kit._runtime.xla import distributed
 from popart_kit._runtime.xla.distributed import World
 from popart_kit.launcher import LaunchError, launch
-from test_instance_faults import BOUND, EXAMPLE, finish, free_port, meet, start
 
 
 def weights(directory) -> dict[str, np.ndarray]:

@@ -7,10 +7,10 @@ import types
 
 import pytest
 from hypothesis import given, settings
+from strategies import config_dicts
 
 import popart_kit as pk
 from popart_kit._config.mapping import import_popart
-from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

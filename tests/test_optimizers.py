@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from popart_kit._runtime.optimizers import ADAM_VALUE_KEYS, SGD_VALUE_KEYS, SGD, Adam
+from popart_kit._runtime.optimizers import ADAM_VALUE_KEYS, SGD, SGD_VALUE_KEYS, Adam
 
 API = json.loads((Path(__file__).parent / "contract" / "popart_api.json").read_text())
 SHAPES = {"w0": (3, 4), "w1": (5,), "s": ()}

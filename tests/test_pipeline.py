@@ -7,9 +7,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
+from pipeline_models import LR, MICRO, WIDTH, mlp, session, simulate_continuous
 
 import popart_kit as pk
-from pipeline_models import LR, MICRO, WIDTH, mlp, session, simulate_continuous
 from popart_kit._runtime.xla import pipeline
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from pipeline_models import LR, mlp
 
 import popart_kit as pk
-from pipeline_models import LR, mlp
 from popart_kit._runtime.xla import stage_processes, steps
 from popart_kit._runtime.xla.pipeline import PipelineExecutor
 from popart_kit._runtime.xla.stage_processes import StageProcesses

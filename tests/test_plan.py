@@ -8,10 +8,10 @@ import math
 import pytest
 import yaml
 from hypothesis import given, settings
+from strategies import config_dicts
 
 import popart_kit as pk
 from popart_kit._config.plan import sync_groups
-from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

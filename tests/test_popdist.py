@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from strategies import config_dicts
 
 import popart_kit as pk
-from strategies import config_dicts
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

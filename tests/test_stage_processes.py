@@ -9,11 +9,11 @@ import signal
 
 import numpy as np
 import pytest
+from pipeline_models import LR, mlp, session, simulate_continuous
 
 import popart_kit as pk
 from popart_kit._runtime.xla import stage_processes
 from popart_kit._runtime.xla.stage_processes import StageWorkerError, WorkerDevice
-from pipeline_models import LR, mlp, session, simulate_continuous
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import pytest
 import popart_kit as pk
 from popart_kit.errors import ConfigTypeError, InvalidConfig
 
-
 # -- 1. unknown keys reported with every other problem, each with a suggestion ------------------
 
 def test_an_unknown_key_does_not_hide_the_other_problems() -> None:

@@ -37,9 +37,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..errors import ConfigError, short
 from .fields import read_popdist_with
 from .popdist import COORDINATOR, LOCAL, LOCAL_INSTANCE, OFFSET, TOTAL, PopdistEnv
-from ..errors import ConfigError, short
 
 __all__ = ["Place", "place", "popdist_env", "NUM_INSTANCES", "SLURM_BASE_PORT", "PER_PROCESS"]
 

@@ -27,10 +27,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .._base import names as _names
-from . import catalog
 from .._base.problems import Problem, raise_errors
-from .unknown_keys import split_unknown
 from ..errors import InvalidConfig, short
+from . import catalog
+from .unknown_keys import split_unknown
 
 __all__ = ["MAX_COUNT", "SessionFields", "Replication", "Accumulation", "Pipeline", "Device",
            "Precision", "Profiling", "read_popdist_with"]

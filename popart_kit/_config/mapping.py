@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._base import names as _names
-from . import catalog
 from ..errors import ConfigError, short
+from . import catalog
 
 if TYPE_CHECKING:
     from .fields import SessionFields

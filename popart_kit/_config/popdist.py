@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import ConfigError, short
 from .fields import MAX_COUNT, Replication, SessionFields
 from .rules import MAX_GLOBAL_IPUS
-from ..errors import ConfigError, short
 
 __all__ = ["PopdistEnv"]
 

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import catalog
 from .._base.arith import (
     bubble_fraction,
     is_power_of_two,
@@ -24,6 +23,7 @@ from .._base.arith import (
 )
 from .._base.problems import Problem
 from ..errors import short
+from . import catalog
 
 if TYPE_CHECKING:
     from .fields import SessionFields

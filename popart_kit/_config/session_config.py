@@ -18,15 +18,16 @@ from typing import Any
 
 from pydantic import model_validator
 
-from . import files as _config_files, mapping as _mapping
 from .._base import shapes
 from .._base.atomic import write_atomic
-from .fields import Accumulation, Device, Pipeline, Precision, Profiling, Replication, SessionFields
 from .._base.problems import emit_warnings, raise_errors
-from .rules import check_config
 from ..errors import ConfigError, InvalidConfig
-from .plan import Plan
+from . import files as _config_files
+from . import mapping as _mapping
 from .cluster import popdist_env
+from .fields import Accumulation, Device, Pipeline, Precision, Profiling, Replication, SessionFields
+from .plan import Plan
+from .rules import check_config
 
 __all__ = [
     "SessionConfig",

@@ -13,9 +13,9 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import catalog
 from .._base.problems import Problem
 from ..errors import short
+from . import catalog
 
 __all__ = ["split_unknown", "did_you_mean", "unknown_keyword_message", "RULE"]
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._base.problems import Problem, raise_errors, warn
-from ..errors import DataError, DataTypeError, short
 from .._base.shapes import (
     AnchorReturnType,
     anchor_leading_factors,
@@ -27,6 +26,7 @@ from .._base.shapes import (
     input_shape,
     leading_factors,
 )
+from ..errors import DataError, DataTypeError, short
 
 if TYPE_CHECKING:
     from .._config.session_config import SessionConfig

@@ -23,10 +23,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._base.atomic import write_atomic
-from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
-from .onnx_ops import OpSignature, signatures
 from ..errors import ModelError, ModelTypeError, short
+from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
+from .onnx_ops import OpSignature, signatures
 
 __all__ = ["Builder", "BuilderError", "PipelineBuilder", "TensorInfo", "InputSettings",
            "ReplicatedStreamMode", "ReductionType", "DEFAULT_AI_ONNX_OPSET"]

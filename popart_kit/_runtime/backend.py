@@ -12,8 +12,8 @@ import onnx
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .._config.session_config import SessionConfig
     from .._base.shapes import AnchorReturnType
+    from .._config.session_config import SessionConfig
     from .._host.stepio import StepIOFactory
 
 __all__ = ["Backend", "TrainingBackend", "make_backend", "check_weights", "BACKENDS",
@@ -59,8 +59,8 @@ def check_weights(current: Mapping[str, np.ndarray], mapping: Mapping[str, Any])
     """Refuse (one ValueError, every problem) weights a backend cannot take as they are:
     unknown names, other shapes or dtypes, 64-bit integers outside the 32 bits the device
     computes them in - nothing is converted silently."""
-    from .._model.index_check import narrowing_problems
     from .._base.problems import Problem, raise_errors
+    from .._model.index_check import narrowing_problems
 
     problems, fitting = [], {}
     for name, value in mapping.items():

@@ -16,12 +16,12 @@ import numpy as np
 import onnx
 
 from .._base import names as _names
-from .._config.mapping import import_popart
 from .._base.problems import Problem, raise_errors
+from .._base.shapes import AnchorReturnType
+from .._config.mapping import import_popart
+from .._host.stepio import StepIOFactory, TensorSpec
 from .._model.builder import broadcast_inputs
 from ..errors import ConfigError
-from .._base.shapes import AnchorReturnType
-from .._host.stepio import StepIOFactory, TensorSpec
 from .backend import check_weights
 
 __all__ = ["PopartBackend", "create_device", "tensor_types"]

@@ -16,14 +16,16 @@ from typing import Any
 
 import numpy as np
 import onnx
-
 from pydantic import ValidationError
 
-from .._model.index_check import IndexChecks
-from .._model.checks import check_model
-from .._config.unknown_keys import checked_keywords
-from .backend import BACKENDS, Backend, make_backend
+from .._base.shapes import AnchorReturnType
+from .._config.plan import Plan
 from .._config.session_config import SessionConfig
+from .._config.unknown_keys import checked_keywords
+from .._host.stepio import StepIOFactory
+from .._model.checks import check_model
+from .._model.index_check import IndexChecks
+from .._model.layout import PipelineLayout, load_model
 from ..errors import (
     ConfigError,
     ConfigTypeError,
@@ -32,11 +34,8 @@ from ..errors import (
     SessionClosedError,
     clip,
 )
-from .._model.layout import PipelineLayout, load_model
+from .backend import BACKENDS, Backend, make_backend
 from .optimizers import SGD, Adam
-from .._config.plan import Plan
-from .._base.shapes import AnchorReturnType
-from .._host.stepio import StepIOFactory
 
 __all__ = ["InferenceSession", "TrainingSession"]
 

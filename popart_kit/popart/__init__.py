@@ -32,12 +32,12 @@ from ._core import (
     PyStepIOCallback,
     PyWeightsIO,
     TensorInfo,
+    popart_exception,
     poplar_application_runtime_error,
     poplar_exception,
     poplar_recoverable_runtime_error,
     poplar_runtime_error,
     poplar_unrecoverable_runtime_error,
-    popart_exception,
 )
 from ._devices import DeviceInfo, DeviceManager
 from ._optimizers import SGD, Adam, ConstSGD, Optimizer, OptimizerValue

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .._config import catalog
 from .._base.names import GRADIENT_PREFIX
+from .._base.shapes import AnchorReturnType as _KitART
+from .._config import catalog
 from .._model.builder import InputSettings, ReductionType, ReplicatedStreamMode
 from .._model.builder import TensorInfo as _KitTensorInfo
-from .._base.shapes import AnchorReturnType as _KitART
 
 
 class popart_exception(ValueError):  # noqa: N801 - PopART's name

@@ -10,7 +10,6 @@ for one micro-batch per replica at a time, micro-batch major and replica minor.
 from __future__ import annotations
 
 import contextlib
-
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,10 +21,10 @@ from onnx import numpy_helper
 from .._base import names as _names
 from .._base.atomic import write_atomic
 from .._config.session_config import SessionConfig
-from ..errors import FileWriteError, ModelError, short
 from .._model.layout import PipelineLayout, load_model
 from .._runtime.session import InferenceSession as _KitInference
 from .._runtime.session import TrainingSession as _KitTraining
+from ..errors import FileWriteError, ModelError, short
 from ._core import (
     RESERVED_PREFIXES,
     AnchorReturnType,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _job, checkNumIpusPerReplica
 from ..popart import DeviceInfo, DeviceManager, SessionOptions, popart_exception
+from . import _job, checkNumIpusPerReplica
 
 __all__ = ["configureSessionOptions", "getDevice"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import popart_kit as pk
-from popart_kit._model.onnx_ops import signatures
 from popart_kit._model import builder as builder_module
+from popart_kit._model.onnx_ops import signatures
 
 OPS = json.loads((Path(__file__).with_name("popart_builder_ops.json")).read_text())
 API = json.loads((Path(__file__).with_name("popart_api.json")).read_text())

@@ -16,18 +16,36 @@ import onnx.numpy_helper
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import popart_kit as pk
 from strategies import config_dicts
 
+import popart_kit as pk
+
 try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (MANIFEST, DeviceCall, EnumMember, created_sessions,
-                                make_popart_module, option_mismatches, run_pattern,
-                                session_record, stepio_arrays, weights_io_arrays)
+    from .strict_popart import (
+        MANIFEST,
+        DeviceCall,
+        EnumMember,
+        created_sessions,
+        make_popart_module,
+        option_mismatches,
+        run_pattern,
+        session_record,
+        stepio_arrays,
+        weights_io_arrays,
+    )
 except ImportError:
-    from strict_popart import (MANIFEST, DeviceCall, EnumMember, created_sessions,
-                               make_popart_module, option_mismatches, run_pattern,
-                               session_record, stepio_arrays, weights_io_arrays)
+    from strict_popart import (
+        MANIFEST,
+        DeviceCall,
+        EnumMember,
+        created_sessions,
+        make_popart_module,
+        option_mismatches,
+        run_pattern,
+        session_record,
+        stepio_arrays,
+        weights_io_arrays,
+    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

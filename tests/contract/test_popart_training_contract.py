@@ -30,15 +30,35 @@ from hypothesis import strategies as st
 import popart_kit as pk
 
 try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (MANIFEST, RANDOM_OPS, DeviceCall, created_sessions,
-                                make_popart_module, option_mismatches, optimizer_record,
-                                run_pattern, session_record, stepio_arrays, trained_pattern,
-                                weights_io_arrays)
+    from .strict_popart import (
+        MANIFEST,
+        RANDOM_OPS,
+        DeviceCall,
+        created_sessions,
+        make_popart_module,
+        optimizer_record,
+        option_mismatches,
+        run_pattern,
+        session_record,
+        stepio_arrays,
+        trained_pattern,
+        weights_io_arrays,
+    )
 except ImportError:
-    from strict_popart import (MANIFEST, RANDOM_OPS, DeviceCall, created_sessions,
-                               make_popart_module, option_mismatches, optimizer_record, run_pattern,
-                               session_record, stepio_arrays, trained_pattern,
-                               weights_io_arrays)
+    from strict_popart import (
+        MANIFEST,
+        RANDOM_OPS,
+        DeviceCall,
+        created_sessions,
+        make_popart_module,
+        optimizer_record,
+        option_mismatches,
+        run_pattern,
+        session_record,
+        stepio_arrays,
+        trained_pattern,
+        weights_io_arrays,
+    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from models import W0, data, options, regression
 
 import popart_kit.popart as popart
-
-from models import W0, data, options, regression
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from models import W0, data, numpy_training, options, regression
 
 import popart_kit.popart as popart
-
-from models import W0, data, numpy_training, options, regression
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -43,7 +43,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...errors import ConfigError, PopartKitError
 from ..._base.problems import warn
 from ..._config.cluster import place, popdist_env
 from ..._config.popdist import (
@@ -59,6 +58,7 @@ from ..._config.popdist import (
     START_TIMEOUT_VARIABLE,
     TOTAL,
 )
+from ...errors import ConfigError, PopartKitError
 
 __all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "START_TIMEOUT",
            "PEER_FAILED", "World", "world", "initialize", "rendezvous", "watching",

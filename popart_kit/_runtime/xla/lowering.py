@@ -33,10 +33,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..._model.index_check import narrowing_problems
 from ..._base.problems import raise_errors
-from ...errors import InvalidModel, ModelError, clip
+from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
+from ...errors import InvalidModel, ModelError, clip
 from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
 
 __all__ = ["LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]

@@ -74,13 +74,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..._base.names import GRADIENT_PREFIX
-from ...errors import ConfigError
-from ..._model.layout import PIPELINE_STAGE, VIRTUAL_GRAPH
 from ..._base.schedule import Action, PipelineSchedule, measured_bubble
+from ..._model.layout import PIPELINE_STAGE, VIRTUAL_GRAPH
+from ...errors import ConfigError
+from . import stage_worker
 from .lowering import LoweredGraph
 from .memory import check_fits
 from .placement import REPLICA, replica_devices
-from . import stage_worker
 from .steps import vmap
 
 __all__ = ["Stage", "PipelineExecutor", "split", "executor_for", "RECOMPUTE", "WORKERS"]

@@ -22,17 +22,17 @@ import numpy as np
 import onnx
 
 from ..._base.problems import Problem, emit_warnings, raise_errors, warn
-from ..._model.builder import broadcast_inputs
-from ...errors import InvalidConfig
 from ..._base.shapes import AnchorReturnType
 from ..._host.stepio import StepIOFactory, TensorSpec
+from ..._model.builder import broadcast_inputs
+from ...errors import InvalidConfig
 from ..backend import check_weights
+from . import profiling
 from .anchors import AnchorBuffers, chunk_size
 from .distributed import initialize, watching, world
 from .lowering import LoweredGraph, lower
-from .ops import partials
 from .memory import check_fits
-from . import profiling
+from .ops import partials
 from .pipeline import WORKERS, executor_for
 from .placement import Placement, ensure_host_devices
 from .steps import chunk_bytes, loop, loops_on_host, vmap

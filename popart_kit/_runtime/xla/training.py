@@ -27,8 +27,8 @@ import onnx
 
 from ..._base.names import GRADIENT_PREFIX, RESTORED_PREFIX
 from ..._base.problems import Problem, raise_errors
-from ...errors import DataError
 from ..._base.shapes import AnchorReturnType
+from ...errors import DataError
 from .runtime import XlaBackend
 from .steps import loop
 
