@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -83,12 +84,14 @@ def test_closing_a_session_stops_its_workers_and_a_later_run_restarts_them():
     sess.close()
 
 
-def test_a_dead_worker_stops_the_run_names_its_stage_and_changes_nothing():
+@pytest.mark.parametrize("settle", [0.0, 1.0])  # 1 s: the run's first send finds its end gone
+def test_a_dead_worker_stops_the_run_names_its_stage_and_changes_nothing(settle):
     sess, feed = session(2, 1, True, True, bps=1, acc=3, workers="processes")
     sess.run(feed)
     before = sess.weights()
     victim = sess.placement[(0, 1)].pid
     os.kill(victim, signal.SIGKILL)
+    time.sleep(settle)
     with pytest.raises(StageWorkerError, match=r"stage 1's worker process .*nothing was applied"):
         sess.run(feed)
     assert_same(sess.weights(), before)

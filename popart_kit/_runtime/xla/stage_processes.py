@@ -232,8 +232,14 @@ class StageProcesses:
         """Each stage's run; any failure stops every worker and raises StageWorkerError."""
         self.start()
         try:
-            for link, payload in zip(self._links, payloads, strict=True):
-                link.send(("run", payload))
+            for s, (link, payload) in enumerate(zip(self._links, payloads, strict=True)):
+                try:
+                    link.send(("run", payload))
+                except OSError:  # its end is gone: name the worker that died
+                    self._name_the_dead("run", LINK_DEATH_SECONDS)
+                    raise StageWorkerError(
+                        f"pipeline stage {s}'s worker process closed its link before its run; "
+                        f"nothing was applied.") from None
             return [self._answer(s, SILENCE_SECONDS, "run") for s in range(self.stages)]
         except BaseException:
             self.close()
