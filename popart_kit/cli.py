@@ -497,7 +497,7 @@ def _version() -> str:
 
 def _add_launch(commands: argparse._SubParsersAction) -> None:
     """`popart-kit launch`: poprun's option names, the xla backend's instances on this host."""
-    from .launcher import FAULT_TIMEOUT, START_TIMEOUT
+    from ._config.popdist import FAULT_TIMEOUT, START_TIMEOUT
 
     launch = commands.add_parser(
         "launch", help="start the instances of a distributed session as poprun would "

@@ -46,7 +46,7 @@ from ._config.popdist import (
 )
 from .errors import ConfigError
 
-__all__ = ["launch", "topology", "LaunchError", "FAULT_TIMEOUT", "START_TIMEOUT"]
+__all__ = ["launch", "topology", "LaunchError"]
 
 _POLL = 0.05
 _KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL

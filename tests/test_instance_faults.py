@@ -25,6 +25,7 @@ import popart_kit as pk
 from popart_kit._config.popdist import (
     COORDINATOR,
     FAULT_TIMEOUT_VARIABLE,
+    PEER_FAILED,
     SECRET,
     START_TIMEOUT_VARIABLE,
 )
@@ -195,7 +196,7 @@ def test_an_instance_killed_or_hung_mid_run_ends_the_other_named_in_time(
         f"sent no heartbeat for {FAULT} s")
     print(f"{signal_name} to instance {victim}: instance {1 - victim} exited {status} after "
           f"{took:.2f} s (fault timeout {FAULT} s)")
-    assert status == distributed.PEER_FAILED, f"status {status}\n{err[-3000:]}"
+    assert status == PEER_FAILED, f"status {status}\n{err[-3000:]}"
     assert "Check failure" not in err and "Fatal Python error" not in err, err[-3000:]
     assert (f"InstanceFailed: instance {1 - victim} of 2: instance {victim} of 2 (on 127.0.0.1) "
             f"{seen}") in err, err[-3000:]
@@ -239,7 +240,7 @@ def test_a_host_whose_launcher_is_killed_ends_the_other_host_named_in_time(tmp_p
                 os.killpg(h.pid, signal.SIGKILL)
             h.communicate(timeout=BOUND)
     print(f"host B's launcher killed: host A's launch exited {status} after {took:.2f} s")
-    assert status == distributed.PEER_FAILED, f"status {status}\n{err[-3000:]}"
+    assert status == PEER_FAILED, f"status {status}\n{err[-3000:]}"
     assert "Check failure" not in out + err and "Fatal Python error" not in out + err, out[-3000:]
     assert "InstanceFailed: instance 0 of 2: instance 1 of 2 (on 127.0.0.1) stopped" in out, \
         out[-3000:]

@@ -60,9 +60,7 @@ from ..._config.popdist import (
 )
 from ...errors import ConfigError, PopartKitError
 
-__all__ = ["COORDINATOR", "FAULT_TIMEOUT", "FAULT_TIMEOUT_VARIABLE", "START_TIMEOUT",
-           "PEER_FAILED", "World", "world", "initialize", "rendezvous", "watching",
-           "InstanceFailed"]
+__all__ = ["World", "world", "initialize", "rendezvous", "watching", "InstanceFailed"]
 
 _RULE = "K-xla-distributed-env"
 _HELLO = "popart-kit-instance"  # a joining instance's greeting: HELLO PROCESSES PROCESS_ID NONCE
@@ -90,10 +88,6 @@ class World:
     source: str  # where the process id came from, for messages
     start_timeout: int = START_TIMEOUT  # seconds the instances wait to meet
     secret: bytes = dataclasses.field(default=b"", repr=False)  # the job's (b"": none set)
-
-
-def _timeout(env: Mapping[str, str]) -> int:
-    return _seconds(env, FAULT_TIMEOUT_VARIABLE, FAULT_TIMEOUT)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: int) -> int:
@@ -173,7 +167,8 @@ def world(replication: Any, env: Mapping[str, str] | None = None) -> World:
             f"export {TOTAL} and {IPUS} for the whole job), or start the instances with "
             f"matching settings; set {COORDINATOR}=HOST:PORT of instance 0 where no launcher "
             "gives it.", rule=_RULE)
-    return World(here.processes, here.process_id, here.coordinator, _timeout(env),
+    return World(here.processes, here.process_id, here.coordinator,
+                 _seconds(env, FAULT_TIMEOUT_VARIABLE, FAULT_TIMEOUT),
                  here.index_from or "the session's replication")
 
 
