@@ -161,7 +161,7 @@ def main() -> None:
     for k in args.stages:
         piped, feed, m, depth = session(k, True, args.training, args, args.workers)
         plain, _, _, _ = session(k, False, args.training, args)
-        workers = piped._backend.pipeline.processes
+        workers = piped.runtime.pipeline.processes
         if workers is not None:
             workers.threads, workers.pin = 1, True  # one thread per device, a core each
         piped.prepare()  # start the stage workers
@@ -169,7 +169,7 @@ def main() -> None:
                             piped=lambda p=piped, f=feed: p.run(f))
         t_plain, t_piped = times["plain"].median, times["piped"].median
         piped.run(feed)
-        measured = piped._backend.pipeline.measured_bubble
+        measured = piped.runtime.pipeline.measured_bubble
         piped_bubble = piped.schedule.bubble_fraction
         piped.close()  # its workers stop before the machine is measured
         passes = m * k  # the unit of work is one stage pass

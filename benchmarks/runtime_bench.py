@@ -130,7 +130,7 @@ def labelled(sess: Any) -> dict[str, np.ndarray]:
 def step_memory(sess: Any) -> int:
     """Bytes XLA reports for the step beyond its inputs (see the module docs)."""
     sess.prepare()
-    parts = sess._backend.memory
+    parts = sess.runtime.memory
     return sum(v for k, v in parts.items() if k != "inputs on the device")
 
 
@@ -218,7 +218,7 @@ def accumulation(repeat: int) -> None:
     m64_1 = step_memory(one_at_a_time)
     print(f"step memory beyond the inputs: A=1 {m1 / 2**20:.1f} MiB, A=64 {m64 / 2**20:.1f} MiB:"
           f" {m64 / m1:.2f}x (target <= 1.2) with the default chunk of "
-          f"{sessions[1, 64]._backend.chunk}; {m64_1 / m1:.2f}x with micro_batches_per_chunk=1")
+          f"{sessions[1, 64].runtime.chunk}; {m64_1 / m1:.2f}x with micro_batches_per_chunk=1")
 
 
 def memory() -> None:
@@ -263,7 +263,7 @@ def replication(repeat: int) -> None:
                             one=functools.partial(one.run, ione),
                             split=functools.partial(split.run, isplit))
             print(f"{mode:<10} R={replicas}: {replicas * t['base'] / t['one']:.2f}x R=1 "
-                  f"throughput; one device vs {len(split._backend.placement.devices)} devices: "
+                  f"throughput; one device vs {len(split.runtime.placement.devices)} devices: "
                   f"{t['split'] / t['one']:.2f}x")
     placement.CPU_REPLICA_DEVICES = 1
 

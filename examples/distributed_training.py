@@ -4,6 +4,8 @@
     poprun --num-instances 2 --num-replicas 4 --ipus-per-replica 1 \\
         python3 examples/distributed_training.py            # on IPUs, the popart backend
     python3 examples/distributed_training.py --replicas 4  # one instance, four local replicas
+    popart-kit launch --num-instances 2 --num-replicas 4 --ipus-per-replica 2 -- \
+        python3 examples/distributed_training.py --pipeline  # each replica two pipeline stages
 
 Each instance takes its replication from the environment the launcher (or poprun) gives it
 (``cfg.with_popdist_env()``), generates the same global data (seeded) and feeds only its own
@@ -16,6 +18,7 @@ replicas reaches. ``--out DIR`` writes each instance's weights and anchors to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -27,16 +30,29 @@ import popart_kit as pk
 FEATURES, HIDDEN, CLASSES, MICRO = 8, 16, 4, 4
 
 
-def build() -> tuple[bytes, dict[str, str]]:
+def build(pipelined: bool = False) -> tuple[bytes, dict[str, str]]:
+    """The model; ``pipelined``: its hidden layer on pipeline stage 0 (IPU 0), the rest on
+    stage 1 (IPU 1)."""
     rng = np.random.default_rng(0)
     b = pk.Builder()
     x = b.addInputTensor(pk.TensorInfo("FLOAT", [MICRO, FEATURES]), debugContext="x")
     label = b.addInputTensor(pk.TensorInfo("INT32", [MICRO]), debugContext="label")
     w1 = b.addInitializedInputTensor(rng.normal(0, 0.5, (FEATURES, HIDDEN)).astype(np.float32))
     w2 = b.addInitializedInputTensor(rng.normal(0, 0.5, (HIDDEN, CLASSES)).astype(np.float32))
-    probs = b.aiOnnx.softmax([b.aiOnnx.matmul([b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])]), w2])],
-                             axis=1)
-    loss = b.aiGraphcore.nllloss([probs, label], pk.ReductionType.Mean)
+
+    def on_stage(stage: int) -> contextlib.AbstractContextManager:
+        if not pipelined:
+            return contextlib.nullcontext()
+        both = contextlib.ExitStack()
+        both.enter_context(b.pipelineStage(stage))
+        both.enter_context(b.virtualGraph(stage))
+        return both
+
+    with on_stage(0):
+        hidden = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])])
+    with on_stage(1):
+        probs = b.aiOnnx.softmax([b.aiOnnx.matmul([hidden, w2])], axis=1)
+        loss = b.aiGraphcore.nllloss([probs, label], pk.ReductionType.Mean)
     return b.getModelProto(), {"x": x, "label": label, "probs": probs, "loss": loss}
 
 
@@ -60,14 +76,18 @@ def main() -> None:
     parser.add_argument("--batches-per-step", type=int, default=2)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--inference", action="store_true", help="run inference only")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="two pipeline stages per replica (launch with --ipus-per-replica 2)")
     parser.add_argument("--backend", default="auto", choices=("auto", "xla", "popart"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    model, names = build()
+    model, names = build(args.pipeline)
     accumulation = 1 if args.inference else args.accumulation
     cfg = pk.SessionConfig(mode="inference" if args.inference else "training",
                            batches_per_step=args.batches_per_step,
+                           ipus_per_replica=2 if args.pipeline else 1,
+                           pipeline=pk.Pipeline(enabled=args.pipeline),
                            replication=pk.Replication(local_factor=args.replicas),
                            accumulation=pk.Accumulation(factor=accumulation, reduction="mean"))
     if "POPDIST_NUM_TOTAL_REPLICAS" in os.environ:  # started by popart-kit launch or poprun

@@ -15,7 +15,7 @@ _HOMES = {
     "._base.problems": ("PopartKitWarning",),
     ".errors": ("PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
                 "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-                "InvalidData", "FileWriteError", "SessionClosedError"),
+                "InvalidData", "FileWriteError", "SessionClosedError", "NonFiniteUpdate"),
     "._model.builder": ("Builder", "BuilderError", "InputSettings", "PipelineBuilder",
                         "ReductionType", "ReplicatedStreamMode", "TensorInfo"),
     "._config.session_config": ("Accumulation", "Device", "Pipeline", "Precision", "Profiling",
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
         InvalidModel,
         ModelError,
         ModelTypeError,
+        NonFiniteUpdate,
         PopartKitError,
         SessionClosedError,
     )
@@ -136,6 +137,7 @@ __all__ = [
     "InvalidData",
     "FileWriteError",
     "SessionClosedError",
+    "NonFiniteUpdate",
     "to_half",
     "bench",
 ]

@@ -11,7 +11,8 @@
         │   │                     what a backend cannot lower
         │   └── ModelTypeError    not a model at all (also a TypeError)
         ├── DataError             host data: arrays, samples, index ranges, values a cast changes
-        │   └── DataTypeError     data of the wrong type (also a TypeError)
+        │   ├── DataTypeError     data of the wrong type (also a TypeError)
+        │   └── NonFiniteUpdate   a training run met NaN or Inf; none of its updates applied
         ├── FileWriteError        a file the kit could not write (also an OSError); the old
         │                         file is left as it was
         ├── SessionClosedError    a session used after close()
@@ -22,9 +23,8 @@
             └── InvalidData       (also a DataError)
 
 Two errors come while a run goes rather than from checking its input, and leave the session as
-it was: ``NonFiniteUpdate`` (a DataError: a loss or update was NaN or Inf) and
-``StageWorkerError`` (also a RuntimeError: a pipeline stage's worker process failed, died or
-fell silent).
+it was: ``NonFiniteUpdate`` (a loss or update was NaN or Inf) and ``StageWorkerError`` (also a
+RuntimeError: a pipeline stage's worker process failed, died or fell silent).
 
 Messages quote values through :func:`short`, so an error about a huge or deeply nested value stays
 small and quick to print.
@@ -39,7 +39,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
            "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-           "InvalidData", "FileWriteError", "SessionClosedError", "short", "clip"]
+           "InvalidData", "FileWriteError", "SessionClosedError", "NonFiniteUpdate", "short",
+           "clip"]
 
 
 class PopartKitError(ValueError):
@@ -68,6 +69,13 @@ class ModelError(PopartKitError):
 
 class DataError(PopartKitError):
     """Host data the kit refuses (wrong type, shape, dtype, range, or a value a cast changes)."""
+
+
+class NonFiniteUpdate(DataError):
+    """A training run met a non-finite loss or gradient; none of its updates were applied
+    (the weights and optimizer state are as before the run)."""
+
+    rule = "K-nonfinite-update"
 
 
 class ConfigTypeError(ConfigError, TypeError):

@@ -64,12 +64,18 @@ while True:
 """
 
 
+#: FOREVER with each replica two pipeline stages (a run's updates go through every stage).
+FOREVER_PIPELINED = FOREVER.replace("example['build']()", "example['build'](True)").replace(
+    "mode='training')", "mode='training', ipus_per_replica=2, pipeline={'enabled': True}, "
+    "accumulation={'factor': 3})").replace("(step, 1, 1, 2, names)", "(step, 1, 3, 2, names)")
+
+
 def start(index: int, port: int, *args: str, secret: str | None = "job-secret",
-          start_timeout: int = FAULT,
+          start_timeout: int = FAULT, ipus: int = 1,
           program: tuple[str, ...] = (str(EXAMPLE), "--steps", "1")) -> subprocess.Popen:
-    """Instance ``index`` of two (one replica each) of ``program`` with ``args``, as the launcher
-    starts it (``secret`` None: none)."""
-    env = {**os.environ, **pk.PopdistEnv(2, 1, index, 1, index).to_env(),
+    """Instance ``index`` of two (one replica each of ``ipus`` IPUs) of ``program`` with
+    ``args``, as the launcher starts it (``secret`` None: none)."""
+    env = {**os.environ, **pk.PopdistEnv(2, 1, index, ipus, index).to_env(),
            COORDINATOR: f"127.0.0.1:{port}", FAULT_TIMEOUT_VARIABLE: str(FAULT),
            START_TIMEOUT_VARIABLE: str(start_timeout), "PYTHONUNBUFFERED": "1"}
     env.pop(SECRET, None)
@@ -172,15 +178,17 @@ def test_an_instance_of_another_launch_is_refused():
     assert "refused it: it is one of 3 instances, instance 0 one of 2" in str(found[1])
 
 
-@pytest.mark.parametrize("signal_name,victim", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGSTOP", 0)])
+@pytest.mark.parametrize("signal_name,victim,pipelined", [
+    ("SIGKILL", 1, False), ("SIGSTOP", 1, False), ("SIGSTOP", 0, False), ("SIGKILL", 0, True)])
 def test_an_instance_killed_or_hung_mid_run_ends_the_other_named_in_time(
-        tmp_path, signal_name, victim):
+        tmp_path, signal_name, victim, pipelined):
     """The survivor ends with the kit's InstanceFailed naming the instance and what was seen,
-    exit status PEER_FAILED, within the fault timeout; never JAX's abort."""
+    exit status PEER_FAILED, within the fault timeout; never JAX's abort - pipelined too."""
     program = tmp_path / "forever.py"
-    program.write_text(FOREVER)
+    program.write_text(FOREVER_PIPELINED if pipelined else FOREVER)
     port = free_port()
-    instances = [start(i, port, str(EXAMPLE), program=(str(program),)) for i in (0, 1)]
+    instances = [start(i, port, str(EXAMPLE), program=(str(program),), ipus=2 if pipelined
+                       else 1) for i in (0, 1)]
     try:
         for p in instances:  # both trained two steps (gloo also writes to stdout)
             assert "ready\n" in iter(p.stdout.readline, ""), f"instance exited {p.wait()}"

@@ -20,7 +20,7 @@ def test_pipelined_equals_unpipelined(stages, replicas):
     # inference
     piped, feed = session(stages, replicas, False, True, bps=stages + 1)
     plain, _ = session(stages, replicas, False, False, bps=stages + 1)
-    assert piped._backend.pipeline is not None and plain._backend.pipeline is None
+    assert piped.runtime.pipeline is not None and plain.runtime.pipeline is None
     a, b = piped.run(feed), plain.run(feed)
     for name in b:
         np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
@@ -46,7 +46,7 @@ def test_a_three_stage_session_shows_its_schedule_and_placement():
     assert set(placement) == {(r, s) for r in range(2) for s in range(3)}
     assert len({placement[(0, s)] for s in range(3)}) == 3  # a replica's stages: own devices
     sess.run(feed)
-    executor = sess._backend.pipeline
+    executor = sess.runtime.pipeline
     assert {(a.kind, a.stage, a.micro_batch) for a, *_ in executor.trace} == {
         (a.kind, a.stage, a.micro_batch) for a in sess.schedule.actions if a.kind != "U"}
     assert 0.0 <= executor.measured_bubble < 1.0
@@ -55,11 +55,11 @@ def test_a_three_stage_session_shows_its_schedule_and_placement():
 def test_dispatch_from_one_thread_gives_the_same_numbers():
     a, feed = session(3, 1, True, True, bps=2, acc=5)
     b, _ = session(3, 1, True, True, bps=2, acc=5)
-    b._backend.pipeline.threads = False
+    b.runtime.pipeline.threads = False
     out_a, out_b = a.run(feed), b.run(feed)
     for name in out_a:
         np.testing.assert_allclose(out_a[name], out_b[name], rtol=1e-6)
-    assert not b._backend.pipeline.trace
+    assert not b.runtime.pipeline.trace
 
 
 def sequential_sgd(weights, xs, stages, lr):
@@ -105,7 +105,7 @@ def test_recomputation_gives_the_same_numbers_and_stashes_less():
         np.testing.assert_allclose(out_a[name], out_b[name], rtol=1e-6)
     for name, value in a.weights().items():
         np.testing.assert_allclose(value, b.weights()[name], rtol=1e-6)
-    sizes = a._backend.pipeline.stash_bytes()
+    sizes = a.runtime.pipeline.stash_bytes()
     assert all(r < s for r, s in zip(sizes["recomputed"], sizes["stashed"], strict=True))
 
 
@@ -117,7 +117,8 @@ def test_norm_only_recomputation_is_refused():
 def test_too_few_devices_falls_back_once_and_refuses_stale_weights(monkeypatch):
     import jax
 
-    monkeypatch.setattr(pipeline.jax, "devices", lambda *a: jax.local_devices()[:1])
+    one = jax.local_devices()[:1]
+    monkeypatch.setattr(pipeline.jax, "local_devices", lambda *a, **k: one)
     model, x, y, loss, _ = mlp(2)
     cfg = pk.SessionConfig(mode="inference", batches_per_step=2, ipus_per_replica=2,
                            pipeline={"enabled": True}, device={"target": "offline"})
@@ -153,12 +154,12 @@ def test_a_pipelined_step_that_cannot_fit_is_refused_naming_its_stash(monkeypatc
     from popart_kit._runtime.xla import memory
 
     sess, feed = session(3, 2, True, True, bps=1, acc=5)
-    parts = sess._backend.pipeline.memory_parts()
+    parts = sess.runtime.pipeline.memory_parts()
     # stage 0 holds the most micro-batches between forward and backward: 2(K-1) + 1
-    assert [sess._backend.pipeline.in_flight(s) for s in range(3)] == [5, 3, 0]
+    assert [sess.runtime.pipeline.in_flight(s) for s in range(3)] == [5, 3, 0]
     assert parts[0]["stashed activations"] > parts[1]["stashed activations"] > 0
     recomputed, _ = session(3, 2, True, True, bps=1, acc=5, recompute="standard")
-    assert (recomputed._backend.pipeline.memory_parts()[0]["stashed activations"]
+    assert (recomputed.runtime.pipeline.memory_parts()[0]["stashed activations"]
             < parts[0]["stashed activations"])
     need = sum(sum(p.values()) for p in parts)
     monkeypatch.setattr(memory, "available_bytes", lambda device: (need // 2, "host RAM"))
@@ -166,7 +167,7 @@ def test_a_pipelined_step_that_cannot_fit_is_refused_naming_its_stash(monkeypatc
                                                 r"fewer micro-batches.*recomputation") as err:
         sess.run(feed)
     assert "K-memory" in str(err.value)
-    assert not sess._backend.pipeline.trace  # nothing ran
+    assert not sess.runtime.pipeline.trace  # nothing ran
 
 
 def test_gradient_and_weight_anchors_are_computed_by_the_stages():
@@ -210,7 +211,8 @@ def test_restored_activations_equal_the_forward_ones(pipelined, monkeypatch):
     """PopART's Restored___ anchor: a stashed activation as the backward reads it back (also
     when too few devices make the session run unpipelined)."""
     if not pipelined:
-        monkeypatch.setattr(pipeline.jax, "devices", lambda *a: pipeline.jax.local_devices()[:1])
+        one = pipeline.jax.local_devices()[:1]
+        monkeypatch.setattr(pipeline.jax, "local_devices", lambda *a, **k: one)
     model, x, y, loss, _ = mlp(2)
     h = next(n.output[0] for n in onnx.load_from_string(model).graph.node if n.op_type == "Tanh")
     cfg = pk.SessionConfig(mode="training", batches_per_step=1, accumulation={"factor": 3},
@@ -223,3 +225,23 @@ def test_restored_activations_equal_the_forward_ones(pipelined, monkeypatch):
     assert (sess.schedule is not None) == pipelined
     out = sess.run(sess.io.allocate_inputs("random"))
     np.testing.assert_array_equal(out["Restored___" + h], out[h])
+
+
+def test_a_pipelined_session_writes_its_profiling_report(tmp_path):
+    """Every run goes through the same wrapper: a pipelined session's runs are timed and
+    traced into profiling.auto_report_dir as an unpipelined session's are."""
+    from popart_kit._runtime.xla import profiling
+
+    model, x, y, loss, _ = mlp(2)
+    cfg = pk.SessionConfig(mode="training", batches_per_step=1, accumulation={"factor": 3},
+                           ipus_per_replica=2, pipeline={"enabled": True},
+                           profiling={"auto_report_dir": str(tmp_path)},
+                           device={"target": "offline"})
+    sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(LR), backend="xla")
+    assert sess.schedule is not None
+    feed = sess.io.allocate_inputs("random")
+    for _ in range(2):
+        sess.run(feed)
+    rows = dict(profiling.summary(tmp_path))  # the report is well-formed
+    assert rows["backend"] == "XlaTrainingBackend" and rows["runs"] == "2", rows
+    assert (tmp_path / "trace").is_dir()

@@ -22,10 +22,10 @@ import pytest
 from pipeline_models import LR, mlp
 
 import popart_kit as pk
+from popart_kit import NonFiniteUpdate
 from popart_kit._runtime.xla import stage_processes, steps
-from popart_kit._runtime.xla.pipeline import PipelineExecutor
 from popart_kit._runtime.xla.stage_processes import StageProcesses
-from popart_kit._runtime.xla.training import NonFiniteUpdate
+from popart_kit._runtime.xla.stages import StageRunner
 
 MODES = ["threads", "dispatched", "processes", "unpipelined", "unpipelined-host"]
 
@@ -59,7 +59,7 @@ def momentum_session(mode: str, bps: int = 2):
                                   anchors={loss: "All"}, backend="xla",
                                   pipeline_workers="processes" if mode == "processes"
                                   else "threads")
-    backend = sess._backend
+    backend = sess.runtime
     assert (backend.pipeline is None) is piped_off
     assert backend.on_host is (mode == "unpipelined-host")
     if mode == "dispatched":
@@ -117,7 +117,7 @@ def interrupt_when(monkeypatch: pytest.MonkeyPatch, stage: int, kind: str) -> li
     """Ctrl-C, sent to the main thread as a terminal's is, when pipeline stage ``stage`` starts
     its first ``kind`` action, which then keeps its thread busy a moment longer. Returns a
     list that gets the action that sent it."""
-    act, sent = PipelineExecutor._act, []
+    act, sent = StageRunner.act, []
 
     def interrupting(self, a, ctx, got):
         if (a.stage, a.kind) == (stage, kind) and not sent:
@@ -126,7 +126,7 @@ def interrupt_when(monkeypatch: pytest.MonkeyPatch, stage: int, kind: str) -> li
             time.sleep(0.2)
         return act(self, a, ctx, got)
 
-    monkeypatch.setattr(PipelineExecutor, "_act", interrupting)
+    monkeypatch.setattr(StageRunner, "act", interrupting)
     return sent
 
 
@@ -173,7 +173,7 @@ def test_ctrl_c_while_stage_workers_start_or_run_stops_them_and_changes_nothing(
     sess.run(feed)
     before = committed(sess)
     if during == "start":
-        sess._backend.close()  # the workers stop; the session's next run starts new ones
+        sess.runtime.close()  # the workers stop; the session's next run starts new ones
     pids = interrupt_answer(monkeypatch, during)
     with pytest.raises(KeyboardInterrupt):
         sess.run(feed)
@@ -200,19 +200,19 @@ def test_stage_workers_ignore_a_terminals_ctrl_c():
 UNCAUGHT = """
 import signal, sys, threading
 sys.path.insert(0, {tests!r})
-from popart_kit._runtime.xla.pipeline import PipelineExecutor
+from popart_kit._runtime.xla.stages import StageRunner
 from test_pipeline_state import momentum_session
 
 sess, feed = momentum_session("threads", bps=64)  # the stages have much left to do
 sess.run(feed)
-act = PipelineExecutor._act
+act = StageRunner.act
 
 def interrupting(self, a, ctx, got):  # Ctrl-C early in a long run
     if (a.stage, a.kind, a.micro_batch, a.update) == (1, "F", 0, 0):
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     return act(self, a, ctx, got)
 
-PipelineExecutor._act = interrupting
+StageRunner.act = interrupting
 sess.run(feed)
 """
 

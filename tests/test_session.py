@@ -115,7 +115,7 @@ def test_replicated_mlp_agrees_with_onnxruntime(bps, local, devices, monkeypatch
     model, x, _, y, _ = mlp()
     sess = pk.InferenceSession(model, config(bps, local, device={"target": "offline"}),
                                anchors={y: "All"}, backend="xla")
-    assert len(sess._backend.placement.devices) == min(devices, local)
+    assert len(sess.runtime.placement.devices) == min(devices, local)
     inputs = sess.io.allocate_inputs("random", seed=local)
     got = sess.run(inputs)[y].reshape(bps * local, 4, 3)
     blocks = inputs[x].reshape(bps * local, 4, 8)
@@ -256,7 +256,7 @@ def test_a_fresh_process_runs_cpu_replicas_vectorised_without_a_word():
             sess = pk.InferenceSession(b.getModelProto(), cfg, anchors={y: "All"},
                                        backend="xla")
         import jax
-        print(len(sess._backend.placement.devices), len(jax.devices()))
+        print(len(sess.runtime.placement.devices), len(jax.devices()))
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=False)
@@ -323,7 +323,7 @@ def test_prepare_compiles_before_the_first_run():
     model, x, _, y, _ = mlp()
     sess = pk.InferenceSession(model, config(bps=2, local=2), anchors={y: "All"}, backend="xla")
     sess.prepare()
-    assert sess._backend._program is not None
+    assert sess.runtime.programs[0] is not None
     first = sess.run(sess.io.allocate_inputs("random"))
     np.testing.assert_array_equal(first[y], sess.run(sess.io.allocate_inputs("random"))[y])
 

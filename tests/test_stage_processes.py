@@ -73,7 +73,7 @@ def test_closing_a_session_stops_its_workers_and_a_later_run_restarts_them():
     sess, feed = session(2, 1, False, True, bps=3, workers="processes")
     sess.run(feed)
     pids = {d.pid for d in sess.placement.values()}
-    sess._backend.close()
+    sess.runtime.close()
     for pid in pids:  # gone: waited for by close
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

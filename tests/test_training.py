@@ -95,7 +95,7 @@ def test_accumulation_is_one_big_micro_batch(acc, chunk):
     x, y = data(8 * acc)
     big, *_ = train(8 * acc, x=x, y=y)
     accumulated, _, sess = train(8, acc=acc, x=x, y=y, chunk=chunk)
-    assert sess._backend.chunk == (chunk or acc)
+    assert sess.runtime.chunk == (chunk or acc)
     close(big, accumulated)
 
 
@@ -212,10 +212,10 @@ def test_training_anchor_values(bps, acc):
 def test_learning_rate_changes_without_recompiling():
     x, y = data(32)
     weights, _, sess = train(8, x=x, y=y)
-    program = sess._backend._program
+    program = sess.runtime.programs[0]
     sess.set_learning_rate(1e-12)
     sess.run({"x": x[8:16], "label": y[8:16]})
-    assert sess._backend._program is program
+    assert sess.runtime.programs[0] is program
     close(sess.weights(), weights, rtol=1e-9)  # a learning rate of 1e-12 moves nothing
     with pytest.raises(ValueError, match="not the same kind of optimizer"):
         sess.set_optimizer(pk.SGD(learning_rate=0.1, momentum=0.5))
@@ -366,11 +366,11 @@ def test_prepare_compiles_the_training_step():
     cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
     sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
     sess.prepare()
-    compiled = sess._backend._program
+    compiled = sess.runtime.programs[0]
     sess.run({"x": x, "label": y})
     sess.set_learning_rate(0.5)
     sess.run({"x": x, "label": y})
-    assert sess._backend._program is compiled  # one compiled executable throughout
+    assert sess.runtime.programs[0] is compiled  # one compiled executable throughout
 
 
 # -- gradient anchors and optimizer state -----------------------------------------------------

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import popart_kit as pk
+from popart_kit import NonFiniteUpdate
 from popart_kit._runtime.xla import compilation_cache, steps
+from popart_kit._runtime.xla import runtime as xla_runtime
 from popart_kit._runtime.xla.anchors import chunk_size
 from popart_kit._runtime.xla.compilation_cache import MIN_SECONDS_VARIABLE
-from popart_kit._runtime.xla.training import NonFiniteUpdate
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 RNG = np.random.default_rng(3)
@@ -78,7 +79,7 @@ def test_inference_anchors_are_the_same_for_every_chunk_and_driver(chunk, on_hos
                                     backend="xla", micro_batches_per_chunk=8)
         chunked = pk.InferenceSession(model, cfg(bps=8, local=2), anchors={probs: art},
                                       backend="xla", micro_batches_per_chunk=chunk)
-        assert chunked._backend.on_host is on_host
+        assert chunked.runtime.on_host is on_host
         inputs = inputs_for(whole)
         results[label] = whole.run(inputs)[probs]
         np.testing.assert_allclose(chunked.run(inputs)[probs], results[label], rtol=1e-6,
@@ -100,7 +101,7 @@ def test_training_drivers_and_chunks_give_the_same_weights(chunk, monkeypatch):
                                   optimizer=pk.SGD(0.5, momentum=0.9),
                                   anchors={loss: "All", probs: ("EveryN", 2)}, backend="xla",
                                   micro_batches_per_chunk=chunk)
-        assert sess._backend.on_host is bool(unfriendly)
+        assert sess.runtime.on_host is bool(unfriendly)
         out = [sess.run(inputs_for(sess, seed)) for seed in range(2)]
         results.append((sess.weights(), out))
     (w_loop, out_loop), (w_host, out_host) = results
@@ -125,7 +126,7 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated():
                                          r"micro-batches per step.*Final, Sum or EveryN") as err:
         sess.prepare()
     assert "K-memory" in str(err.value)
-    assert sess._backend._program is None  # nothing compiled
+    assert sess.runtime.programs == []  # nothing compiled
 
 
 # -- atomic, serialised and finite training runs --------------------------------------------------
@@ -137,15 +138,15 @@ def _session(**options):
                               optimizer=pk.Adam(learning_rate=0.05), backend="xla", **options)
 
 
-@pytest.mark.parametrize("stage", ["transfer", "execute", "fetch", "reshape"])
+@pytest.mark.parametrize("stage", ["transfer", "execute", "fetch", "check"])
 def test_an_exception_at_any_stage_of_a_run_leaves_the_session_as_it_was(stage, monkeypatch):
     sess, reference = _session(), _session()
     inputs = inputs_for(sess)
-    backend = sess._backend
+    backend = sess.runtime
     sess.run(inputs), reference.run(inputs)
     before = sess.weights()
-    target = {"transfer": (backend.placement, "put"), "execute": (backend, "_execute"),
-              "fetch": (backend.placement, "fetch"), "reshape": (backend, "_anchor_shapes")}
+    target = {"transfer": (backend.placement, "put"), "execute": (backend.executor, "run"),
+              "fetch": (backend.placement, "fetch"), "check": (xla_runtime, "check_finite")}
     owner, attribute = target[stage]
     original = getattr(owner, attribute)
 
@@ -220,11 +221,11 @@ def test_new_hyperparameters_reach_the_next_run_without_recompiling():
     sess = _session()
     inputs = inputs_for(sess)
     sess.run(inputs)
-    program = sess._backend._program
+    program = sess.runtime.programs[0]
     before = sess.weights()
     sess.set_learning_rate(1e-30)  # too small to move a float32 weight
     sess.run(inputs)
-    assert sess._backend._program is program
+    assert sess.runtime.programs[0] is program
     for name, value in before.items():
         np.testing.assert_array_equal(sess.weights()[name], value)
 

@@ -318,6 +318,13 @@ class PipelineLayout:
         return len({self._stage(op) for op in self.ops} - {None})
 
     @property
+    def tensor_stages(self) -> dict[str, int]:
+        """The stage of each tensor an annotated op makes (its pipeline stage; where the model
+        has none, its IPU, as PopART infers stages)."""
+        return {t: stage for op in self.ops if (stage := self._stage(op)) is not None
+                for t in op.outputs if t}
+
+    @property
     def stage_ipu(self) -> dict[int, int | None]:
         """Each stage's IPU (None where the model names no IPU)."""
         ipus = self._ipus_per_stage()

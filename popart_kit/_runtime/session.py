@@ -83,6 +83,16 @@ class _Session:
         return self._backend.name
 
     @property
+    def runtime(self) -> Any:
+        """The backend that runs this session, for tests, benchmarks and profiling that look
+        inside it. On the xla backend its documented attributes are ``executor`` (and
+        ``pipeline`` when pipelined), ``programs`` (compiled), ``placement``, ``memory`` (the
+        step's bytes by part), ``chunk``, ``on_host``, ``state`` and ``close()`` (stops a
+        pipeline's worker processes; the next run starts new ones). Not part of PopART's API.
+        """
+        return self._backend
+
+    @property
     def io(self) -> StepIOFactory:
         """The shapes of this session's host arrays, and helpers to make and check them."""
         return self._backend.io
@@ -97,7 +107,10 @@ class _Session:
     def placement(self) -> dict[tuple[int, int], Any] | None:
         """(replica, stage) -> the device it runs on, for a pipelined xla session (else None)."""
         executor = getattr(self._backend, "pipeline", None)
-        return None if executor is None else executor.placement
+        if executor is None:
+            return None
+        self._backend.prepare()  # the memory check first; worker processes start then
+        return executor.placement
 
     def prepare(self) -> None:
         """Compile (and, on an IPU, load) the program; ``run`` does it when needed."""

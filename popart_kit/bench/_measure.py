@@ -160,7 +160,7 @@ def _row(v: Variant, sess: Any, times: dict[str, Stats], ready: float) -> dict[s
         "samples_per_step": samples * v.instances, "samples_per_s": samples * v.instances
         / t.median, "rss_mib": rss_mib(),
     }
-    backend = sess._backend
+    backend = sess.runtime
     memory = getattr(backend, "memory", None)
     row["step_memory_mib"] = sum(memory.values()) / 2**20 if memory else None
     executor = getattr(backend, "pipeline", None)

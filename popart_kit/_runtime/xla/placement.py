@@ -5,8 +5,10 @@ follows from it: which devices run which replicas (each device runs a block of r
 vectorised), the sharding of every argument, how the run's canonical host arrays reach the
 devices (one transfer) and how results come back as host arrays (one fetch). The mesh axis is
 named :data:`REPLICA`, under a :data:`PROCESS` axis (global replication: one row of devices per
-instance, of size 1 in a single process); a stage axis (pipeline stages on their own devices)
-joins them there.
+instance, of size 1 in a single process). A pipelined session's stages get devices of their own
+here too (:meth:`Placement.stage_devices`), and where a session spans instances each stage's
+update runs as one program over that stage's device in every instance
+(:meth:`Placement.across_instances`).
 
 Over several processes the mesh holds every global replica; each instance gives and gets only
 its own: :meth:`Placement.put` builds global arrays from this process's host arrays and
@@ -84,6 +86,7 @@ class Placement:
         self.per_device = replicas // len(self.devices)
         self.mesh = Mesh(self._grid(), (PROCESS, REPLICA))
         self.platform = self.devices[0].platform
+        self._stage_meshes: dict[tuple[jax.Device, ...], Mesh] = {}
 
     def _grid(self) -> np.ndarray:
         """Devices by (process, local position): every process uses the same count."""
@@ -173,6 +176,71 @@ class Placement:
                                         sharding=self.split(axes[k]) if self.several
                                         else jax.sharding.SingleDeviceSharding(self.devices[0]))
                 for k, v in arrays.items()}
+
+    # -- pipeline stages --------------------------------------------------------------------
+
+    def stage_devices(self, stages: int) -> list[list[jax.Device]] | str:
+        """This process's devices for each of ``stages`` pipeline stages - a stage's replicas
+        on as many devices as the unpipelined placement gives them while the host has R x K
+        (one each on CPU, and across instances), else one - or why there are too few."""
+        devices = jax.local_devices(backend=self.platform)
+        if len(devices) < stages:
+            return (f"{stages} stages need {stages} devices and this host has "
+                    f"{len(devices)} {self.platform.upper()} device(s)")
+        per = len(self.devices)
+        per = per if len(devices) >= per * stages and not self.distributed else 1
+        return [devices[s * per:(s + 1) * per] for s in range(stages)]
+
+    def on_stage(self, group: Sequence[jax.Device], replica_axis: int | None = None) -> Any:
+        """Where a stage on ``group`` keeps an array: its device, or over its devices split
+        along ``replica_axis`` (None: a copy on each)."""
+        if len(group) == 1:
+            return group[0]
+        key = tuple(group)
+        if key not in self._stage_meshes:
+            self._stage_meshes[key] = Mesh(np.array(group), (REPLICA,))
+        spec = P() if replica_axis is None else P(*(None,) * replica_axis, REPLICA)
+        return NamedSharding(self._stage_meshes[key], spec)
+
+    def stage_put(self, arrays: Mapping[str, np.ndarray], group: Sequence[jax.Device],
+                  axes: Mapping[str, int | None]) -> dict:
+        """Host arrays onto a stage's devices in one transfer (``axes``: each one's replica
+        axis)."""
+        return jax.device_put(dict(arrays), {k: self.on_stage(group, axes[k]) for k in arrays})
+
+    def across_instances(self, fn: Callable, donate: tuple[int, ...],
+                         device: jax.Device) -> Callable:
+        """``fn`` compiled for ``device``; over several instances, one program over that
+        device and its counterpart (the same local position) in every other instance, whose
+        collectives over :data:`PROCESS` reach every instance. Arguments and results are this
+        process's arrays on ``device``; every instance must call it, in the same order."""
+        if not self.distributed:
+            return jax.jit(fn, donate_argnums=donate)
+        position = jax.local_devices(backend=self.platform).index(device)
+        rows = [[d for d in jax.devices(self.platform) if d.process_index == p][position]
+                for p in range(self.processes)]
+        mesh = Mesh(np.array(rows).reshape(self.processes, 1), (PROCESS, REPLICA))
+        program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                                        check_vma=False), donate_argnums=donate)
+        copies = NamedSharding(mesh, P())
+
+        def call(*args: Any) -> Any:
+            def global_(a: Any) -> Any:
+                local = jax.device_put(a, device)
+                return jax.make_array_from_single_device_arrays(np.shape(local), copies,
+                                                                [local])
+
+            out = program(*jax.tree.map(global_, args))
+            return jax.tree.map(lambda a: a.addressable_data(0), out)
+
+        return call
+
+    @staticmethod
+    def local_copy(tree: Any) -> Any:
+        """A pytree's arrays as this process's own: of a global array every device holds
+        whole (weights, state, hyperparameters), the copy on one of this process's devices."""
+        return jax.tree.map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array)
+                            and not a.is_fully_addressable else a, tree)
 
     @staticmethod
     def fetch(tree: Any) -> Any:

@@ -1,12 +1,15 @@
 """The xla backend: a session's model run on JAX devices with PopART's step semantics.
 
-A ``run`` is M = bps x A micro-batches on each of R local replicas. Its micro-batches are
-evaluated in chunks (:mod:`.steps`), so memory does not grow with M beyond what is anchored
-All; anchors are reduced or selected as the chunks go (:mod:`.anchors`). Where replicas run and
-how arrays move is the :class:`~.placement.Placement`'s; before the first run the step's memory
-is estimated and a step that cannot fit is refused (:mod:`.memory`). A run does the input
-check, one transfer, the program (one call, or one per chunk where :mod:`.steps` loops from the
-host) and one fetch, under a lock: concurrent runs on one session take turns.
+A ``run`` is M = bps x A micro-batches on each of R local replicas. The backend owns the
+session's committed :class:`~.state.SessionState`, and runs every step through one
+:class:`~.executors.Executor` (looped, host-driven or pipelined), which returns the anchors and
+a new state without changing anything; every run is wrapped the same way - under the session's
+lock (concurrent runs take turns), profiled, its peers watched - and its result is checked and
+committed in one assignment. Micro-batches are evaluated in chunks (:mod:`.steps`), so memory
+does not grow with M beyond what is anchored All; anchors are reduced or selected as the chunks
+go (:mod:`.anchors`). Where replicas run and how arrays move is the
+:class:`~.placement.Placement`'s; before the first run the step's memory is estimated and a
+step that cannot fit is refused (:mod:`.memory`).
 """
 
 from __future__ import annotations
@@ -30,18 +33,26 @@ from ..backend import check_weights
 from . import profiling
 from .anchors import AnchorBuffers, chunk_size
 from .distributed import initialize, watching, world
+from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
 from .ops import partials
-from .pipeline import WORKERS, executor_for
+from .pipeline import WORKERS, PipelineExecutor, PipelineFacts, pipeline_for
 from .placement import Placement, ensure_host_devices
-from .steps import chunk_bytes, loop, loops_on_host, vmap
+from .state import SessionState, check_finite
+from .steps import chunk_bytes, loops_on_host, vmap
 
 __all__ = ["XlaBackend"]
 
 
 class XlaBackend:
     """Runs a session's model on JAX devices with PopART's step, replica and anchor semantics.
+
+    Public attributes (``session.runtime``): ``executor`` (the :class:`~.executors.Executor`
+    every run goes through; ``pipeline`` is it when pipelined), ``programs`` (its compiled
+    programs), ``placement``, ``memory`` (the step's bytes by part, once prepared),
+    ``chunk`` (micro-batches evaluated at once), ``on_host`` (chunks driven from the host),
+    ``state`` (the committed :class:`~.state.SessionState`).
 
     ``micro_batches_per_chunk`` overrides how many micro-batches are evaluated at once (by
     default as many as keep a chunk's activations under ``steps.chunk_bytes``).
@@ -50,6 +61,7 @@ class XlaBackend:
     only way stages run side by side on CPU; see ``stage_processes``)."""
 
     name = "xla"
+    trained: list[str] = []  # the weights a training backend updates
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType],
@@ -88,15 +100,52 @@ class XlaBackend:
         self._inputs = self._program_inputs()
         self.on_host = loops_on_host(model, self.placement.platform, self.placement.several)
         self._lock = threading.RLock()
-        self._weights = self.placement.put_everywhere(
-            {k: jnp.asarray(v) for k, v in self.graph.weights.items()})
-        self._program: Any = None
+        self.state = SessionState(self.placement.put_everywhere(
+            {k: jnp.asarray(v) for k, v in self.graph.weights.items()}),
+            updates=self.placement.put_everywhere(np.int32(0)))
+        self.hyper: Any = None  # the optimizer's hyperparameters on the device (training)
+        self.prepared = False
         self.memory: dict[str, int] = {}  # the step's memory by part, once prepared
-        self.pipeline, self.unpipelined_because = executor_for(self, pipeline_workers,
-                                                               self._worker_spec)
-        if self.unpipelined_because:
+        self.unpipelined_because = ""
+        self._setup_training()
+        self.executor: Executor = self._make_executor(pipeline_workers)
+
+    def _setup_training(self) -> None:
+        """What a training backend checks and sets up before its executor is chosen."""
+
+    def _make_executor(self, workers: str) -> Executor:
+        """The pipeline where the model is pipelined and can be split (else the backend says
+        why once, and runs unpipelined); else the looped or host-driven executor."""
+        if self.config.pipeline.enabled:
+            executor, self.unpipelined_because = pipeline_for(self._pipeline_facts(), workers)
+            if executor is not None:
+                return executor
             warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the "
                  f"stages one after the other on one device (same numerics).")
+        step = self._step_functions()
+        return (HostDrivenExecutor if self.on_host else LoopedExecutor)(step, self.placement)
+
+    @property
+    def programs(self) -> list[Any]:
+        """The executor's compiled programs (none before ``prepare``)."""
+        return self.executor.programs
+
+    @property
+    def pipeline(self) -> PipelineExecutor | None:
+        """The pipeline executor, when the session runs pipelined."""
+        return self.executor if isinstance(self.executor, PipelineExecutor) else None
+
+    def _pipeline_facts(self) -> PipelineFacts:
+        """What the pipeline executor is told of the session (nothing else of the backend)."""
+        return PipelineFacts(
+            model=self.model, graph=self.graph, config=self.config, io=self.io,
+            anchors=self.anchors, tensors={a: self._anchor_tensor(a) for a in self.anchors},
+            anchor_shapes=self._anchor_shapes, placement=self.placement,
+            shapes=lambda wanted: self._shapes(self.io.inputs, wanted),
+            program_inputs=self._inputs, **self._training_facts())
+
+    def _training_facts(self) -> dict[str, Any]:
+        return {}
 
     # -- what the backend refuses -----------------------------------------------------------------
 
@@ -140,14 +189,6 @@ class XlaBackend:
                                f"jax.distributed.", "use pipeline_workers='threads' across "
                                "instances.", "K-pipeline-workers"))
         return out
-
-    def _worker_spec(self) -> dict[str, Any]:
-        """What a stage worker process needs to rebuild this backend (stage_processes.py)."""
-        cls = type(self)
-        return dict(backend=f"{cls.__module__}:{cls.__qualname__}",
-                    model=self.model.SerializeToString(), config=self.config,
-                    anchors=self.anchors, loss=getattr(self, "loss", None),
-                    optimizer=getattr(self, "optimizer", None))
 
     def _anchor_tensor(self, anchor: str) -> str:
         """The tensor whose shape and dtype an anchor has (itself, for inference)."""
@@ -203,9 +244,6 @@ class XlaBackend:
         return {name: np.asarray(inputs[name], dtype=s.dtype).reshape(s.shape)
                 for name, s in self._inputs.items()}
 
-    def _abstract_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return self.placement.abstract(self._inputs, self._stream_axes())
-
     def _slice(self, inputs: Mapping[str, jax.Array], start: Any) -> dict[str, jax.Array]:
         """The chunk's micro-batches. When chunks are looped over, a barrier keeps XLA from
         moving work on the chunk (a layout change for a convolution, say) out of the loop onto
@@ -230,40 +268,24 @@ class XlaBackend:
 
         return vmap(micro_batch, self.chunk, (0, 0, 0))(streams, fixed, dict(offsets or {}))
 
-    # -- the program --------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
 
-    def _chunk_step(self, weights: Any, buffers: Any, inputs: Any, index: Any) -> Any:
-        start = index * self.chunk
-        values = self._evaluate_chunk(weights, inputs, start, list(self.anchors))
-        return self.buffers.write(buffers, values, start)
+    def _step_functions(self) -> StepFunctions:
+        """An inference step: its chunks run straight through (no update between them), each
+        writing its anchors."""
+        chunks = self.micro_batches // self.chunk
 
-    def _whole_step(self, weights: Any, inputs: Any) -> Any:
-        buffers = self.buffers.init(self.placement.per_device)
-        return loop(self.micro_batches // self.chunk,
-                    lambda i, b: self._chunk_step(weights, b, inputs, i), buffers)
+        def chunk(state: SessionState, work: Any, hyper: Any, inputs: Any, update: Any,
+                  index: Any) -> Any:
+            start = (update * chunks + index) * self.chunk
+            values = self._evaluate_chunk(state.weights, inputs, start, list(self.anchors))
+            return {}, {"buffers": self.buffers.write(work["buffers"], values, start)}
 
-    def _compile(self) -> list[Any]:
-        weights = self._weights
-        inputs = self._abstract_inputs()
-        if not self.on_host:
-            program = jax.jit(self.placement.spmd(
-                self._whole_step, (None, self._stream_axes()), self.buffers.replica_axes()))
-            return [program.lower(weights, inputs).compile()]
-        index = jax.ShapeDtypeStruct((), jnp.int32)
-        buffers = self.buffers.shapes()
-        init = jax.jit(lambda: self.buffers.init(self.placement.per_device)).lower().compile()
-        chunk = jax.jit(self._chunk_step, donate_argnums=(1,)).lower(
-            weights, buffers, inputs, index).compile()
-        return [init, chunk]
-
-    def _execute(self, inputs: Mapping[str, jax.Array]) -> Any:
-        if not self.on_host:
-            return self._program[0](self._weights, inputs)
-        init, chunk = self._program
-        buffers = init()
-        for index in self._indices:
-            buffers = chunk(self._weights, buffers, inputs, index)
-        return buffers
+        return StepFunctions(
+            updates=1, chunks=chunks,
+            work=lambda: {"buffers": self.buffers.init(self.placement.per_device)},
+            chunk=chunk, apply=None, flags=None, inputs=self._inputs,
+            stream_axes=self._stream_axes(), buffer_axes=self.buffers.replica_axes())
 
     def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
         """The step's memory by part (and the anchors by name), for the memory check."""
@@ -290,17 +312,19 @@ class XlaBackend:
         self.memory = parts
 
     def close(self) -> None:
-        """Stop the pipeline's stage worker processes, if any (a later run starts them)."""
-        if self.pipeline is not None and self.pipeline.processes is not None:
-            self.pipeline.processes.close()
+        """Stop what the executor runs beside this process (a pipeline's stage worker
+        processes; a later run starts them again)."""
+        self.executor.close()
 
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
         with self._lock:
-            if self.pipeline is not None:
-                self.pipeline.start()  # its stage programs compile as they first run
+            if self.prepared:
                 return
-            if self._program is not None:
+            if self.pipeline is not None:
+                self.pipeline.prepare(self.state, self.hyper)  # its stages compile as they
+                self.memory = self.pipeline.memory           # first run
+                self.prepared = True
                 return
             self._check_memory(0)  # inputs and anchors alone, before compiling anything
             started = time.perf_counter()
@@ -308,37 +332,32 @@ class XlaBackend:
             # TF32, and results would change with the chunk size)
             with jax.default_matmul_precision("float32"), \
                     partials(self.config.precision.partials_type):
-                programs = self._compile()
+                self.executor.prepare(self.state, self.hyper)
+            programs = self.executor.programs
             profiling.compiled(self, programs, time.perf_counter() - started)
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
                                if p.memory_analysis() is not None), default=0)
             self._check_memory(temporaries)
-            self._indices = [self.placement.put_everywhere(np.int32(i))
-                             for i in range(self.micro_batches // self.chunk)]
-            self._program = programs
+            self.prepared = True
 
     # -- a run ----------------------------------------------------------------------------------
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One step by the executor, every executor's wrapped alike: the inputs checked, the
+        session locked, the run profiled and its peers watched; its result checked, then
+        committed in one assignment (an exception anywhere leaves the session as it was)."""
         self.io.check_inputs(inputs)
         with self._lock:
-            if self.pipeline is not None:
-                return self.pipeline.run(inputs)
-            if self._program is None:
-                self.prepare()
+            self.prepare()
             with self._peers(), profiling.run(self):
-                device_inputs = self.placement.put(self._host_inputs(inputs),
-                                                   self._stream_axes(), resident=self.on_host)
-                fetched = self._step(device_inputs)
-            return self._finish(fetched)
-
-    def _step(self, device_inputs: Mapping[str, Any]) -> Any:
-        """The step program on the devices, what the host needs of it fetched."""
-        return self.placement.fetch(self._execute(device_inputs))
-
-    def _finish(self, fetched: Any) -> dict[str, np.ndarray]:
-        """The anchors in their host shapes (under the session's lock)."""
-        return {name: value.reshape(self._anchor_shapes[name]) for name, value in fetched.items()}
+                result = self.executor.run(self._host_inputs(inputs), self.state, self.hyper)
+            if result.flags is not None:
+                check_finite(result.flags, self.trained, self.config.batches_per_step)
+            anchors = {name: np.asarray(result.anchors[name]).reshape(shape)
+                       for name, shape in self._anchor_shapes.items()}
+            if result.state is not None:
+                self.state = result.state  # the commit, after everything that can fail
+            return anchors
 
     def _peers(self) -> Any:
         """Collectives failed by a stopped instance become the kit's error (:mod:`.distributed`)."""
@@ -349,7 +368,7 @@ class XlaBackend:
     def weights(self) -> dict[str, np.ndarray]:
         """Current weights in the model's own dtypes (JAX computes INT64 as INT32, as PopART
         casts it on the device)."""
-        current = self._weights  # one committed set, read once
+        current = self.state.weights  # one committed set, read once
         return {name: np.array(value).astype(self.graph.weights[name].dtype)
                 for name, value in self.placement.fetch(current).items()}
 
@@ -357,7 +376,7 @@ class XlaBackend:
         check_weights(self.graph.weights, mapping)
         new = self.placement.put_everywhere({k: jnp.asarray(v) for k, v in mapping.items()})
         with self._lock:
-            self._weights = {**self._weights, **new}
+            self.state = self.state.with_weights(new)
 
     def model_proto(self) -> onnx.ModelProto:
         """The model with the current weights, each stored as the model stored it (raw bytes,

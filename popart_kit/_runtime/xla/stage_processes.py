@@ -11,13 +11,14 @@ runs its stage with its own tiles.
 **Protocol.** The session's process starts the K workers once (``python -P -m`` this module:
 nothing of the user's script is imported again, and neither the working directory nor a
 script's is on their ``sys.path``; they import this package from where the session's process
-did) with socket pairs to it and between neighbouring stages. Each worker rebuilds the same
-backend (the class its start message names) from the model and the session's arguments and
-keeps its stage's compiled programs. A run sends each worker its stage's stream inputs,
-committed weights, optimizer state and hyperparameters; the workers run the schedule's
-actions of their stage, sending activations forward and gradients backward (a sender thread per
-link, so a send never blocks a stage), and return their anchors, new weights and state and
-their trace. The session's process checks and commits as for threads, so a run stays atomic.
+did) with socket pairs to it and between neighbouring stages. Each worker is sent the model and
+its stage's :class:`~.stages.StageSpec`, builds its stage's part of the graph and its programs
+from them (nothing else of the session) and keeps them. A run sends each worker its stage's
+stream inputs and hyperparameters, and its part of the committed state when it holds another;
+the workers run the schedule's actions of their stage (a :class:`~.stages.StageRunner`),
+sending activations forward and gradients backward (a sender thread per link, so a send never
+blocks a stage), and return what they kept, their new state and their trace. The session's
+process checks and commits as for threads, so a run stays atomic.
 
 **Failure.** A worker that fails reports its error; a worker that dies or falls silent past
 the deadline is named. Either way every worker is stopped (the next run starts new ones) and
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import pkgutil
 import queue
 import select
 import signal
@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import PopartKitError
-from . import stage_worker
+from .stages import Board
 
 __all__ = ["StageProcesses", "WorkerDevice", "default_threads"]
 
-#: Seconds a worker may take to start (import JAX, rebuild the backend) before it is named.
+#: Seconds a worker may take to start (import JAX, build its stage) before it is named.
 START_SECONDS = 120.0
 #: Socket buffer asked for each link between processes.
 LINK_BUFFER_BYTES = 8 << 20
@@ -207,9 +207,9 @@ class StageProcesses:
             for sock in [p[1] for p in pairs] + [end for c in chain for end in c]:
                 sock.close()
         self._links.extend(_Link(p[0]) for p in pairs)
-        spec = self.spec()
+        init = self.spec()
         for s, link in enumerate(self._links):
-            link.send(("init", dict(spec, stage=s, cores=self._cores(s))))
+            link.send(("init", dict(init, stage=s, cores=self._cores(s))))
         self.devices = [WorkerDevice(s, p.pid, *self._answer(s, START_SECONDS, "start"))
                         for s, p in enumerate(self._procs)]
 
@@ -320,7 +320,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], links: list[_Link]) -> None:
 
 # -- the worker side ----------------------------------------------------------------------------
 
-class _PipeBoard(stage_worker.Board):
+class _PipeBoard(Board):
     """The threaded executor's board across processes: activations go to the next stage and
     gradients to the one before, and what arrives is received, unpickled and put on the device
     by a thread per link while the stage computes; stashes stay here."""
@@ -355,20 +355,24 @@ class _PipeBoard(stage_worker.Board):
             super().put(key, value)
 
 
-def _backend(spec: dict[str, Any]) -> Any:
-    """The session's backend rebuilt: the class its start message names ("module:qualname")
-    from the model and the session's arguments."""
+def _runner(init: dict[str, Any]) -> Any:
+    """Stage ``init["stage"]``'s runner, built from the model and its spec alone, on this
+    process's one CPU device."""
+    import dataclasses
+
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
-    jax.devices()  # start JAX with one device, before the backend asks for more
-    stage_worker.STAGE_WORKER = True
+    device = jax.devices()[0]
     import onnx
 
-    model = onnx.load_from_string(spec["model"])
-    training = () if spec["loss"] is None else (spec["loss"], spec["optimizer"])
-    return pkgutil.resolve_name(spec["backend"])(model, spec["config"], spec["anchors"],
-                                                 *training)
+    from .lowering import lower
+    from .stages import StagePrograms, StageRunner
+
+    spec = init["stages"][init["stage"]]
+    whole = lower(onnx.load_from_string(init["model"]))
+    spec = dataclasses.replace(spec, stage=spec.stage.built(whole))
+    return StageRunner(spec, StagePrograms(spec), lambda axis: device)
 
 
 def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
@@ -376,73 +380,51 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
 
     import jax
 
+    from .stages import RunContext
+
     warnings.simplefilter("ignore")  # the session's process has said it all already
-    kind, spec = main.recv()
-    s = spec["stage"]
-    if spec.get("cores"):
-        os.sched_setaffinity(0, spec["cores"])
+    kind, init = main.recv()
+    s = init["stage"]
+    if init.get("cores"):
+        os.sched_setaffinity(0, init["cores"])
     try:
-        executor = _backend(spec).pipeline
-        del spec  # the model's bytes
-        _keep_only(executor, s)
+        runner = _runner(init)
+        del init  # the model's bytes
         device = jax.devices()[0]
         main.send(("ok", (str(device), int(os.environ.get("PJRT_NPROC", "0")))))
     except BaseException as error:  # noqa: BLE001 - reported to the session's process
         main.send(("error", (_portable(error), traceback.format_exc())))
         return
-    weights = states = None  # those of the last run (the session sends them when it has
-    while True:              # others: after a refused run, write_weights, a new session)
+    spec = runner.spec
+    actions = spec.schedule.for_stage(s)
+    state = None  # that of the last run (the session sends another when it has one: after a
+    while True:   # refused run, write_weights, a new session)
         try:
             kind, p = main.recv()
         except (EOFError, OSError):
             return
         try:
             put = jax.device_put
-            if p["weights"] is not None:
-                weights, states = put(p["weights"], device), put(p["states"], device)
-            ctx = dict(streams=_at(s, put(p["streams"], device)), weights=_at(s, weights),
-                       states=_at(s, states), hyper=_at(s, put(p["hyper"], device)),
-                       accs=_at(s, None), outputs={}, sums={}, trace=[],
-                       lock=threading.Lock(), board=_PipeBoard(before, after))
-            if executor.training:
-                ctx["accs"][s] = {k: jax.numpy.zeros_like(ctx["weights"][s][k])
-                                  for k in executor._trained(executor.stages[s])}
-            actions = executor.schedule.for_stage(s)
-            ctx["board"].listen(before, sum(a.kind == "F" for a in actions) if s else 0)
-            ctx["board"].listen(after, sum(a.kind == "B" for a in actions)
-                                if s < len(executor.stages) - 1 else 0)
-            executor._worker(s, ctx)
-            if ctx["board"].failed is not None:
-                raise ctx["board"].failed
-            weights, states = ctx["weights"][s], ctx["states"][s]
-            main.send(("ok", dict(
-                outputs=jax.device_get(ctx["outputs"]), sums=jax.device_get(ctx["sums"]),
-                weights=jax.device_get(weights) if executor.training else None,
-                states=jax.device_get(states) if executor.training else None,
-                trace=ctx["trace"])))
+            if p["state"] is not None:
+                state = put(p["state"], device)
+            board = _PipeBoard(before, after)
+            at = [None] * s
+            ctx = RunContext(streams=[*at, put(p["streams"], device)], states=[*at, state],
+                             hyper=[*at, put(p["hyper"], device)],
+                             accs=[*at, {k: jax.numpy.zeros_like(state.weights[k])
+                                         for k in spec.trained} if spec.training else None],
+                             board=board)
+            board.listen(before, sum(a.kind == "F" for a in actions) if s else 0)
+            board.listen(after, sum(a.kind == "B" for a in actions) if not spec.last else 0)
+            runner.run(ctx)
+            if board.failed is not None:
+                raise board.failed
+            state = ctx.states[s]
+            main.send(("ok", dict(outputs=jax.device_get(ctx.outputs),
+                                  sums=jax.device_get(ctx.sums),
+                                  state=jax.device_get(state), trace=ctx.trace)))
         except BaseException as error:  # noqa: BLE001 - reported to the session's process
             main.send(("error", (_portable(error), traceback.format_exc())))
-
-
-def _keep_only(executor: Any, s: int) -> None:
-    """Drop what the rebuilt backend holds of the other stages (their weights, the model's
-    initializers, the device copies): a worker keeps its own stage's part of the model. The
-    session's process sends weights and optimizer state with each run that needs them."""
-    import gc
-
-    backend, mine = executor.backend, set(executor.stages[s].weights)
-    for i, stage in enumerate(executor.stages):
-        if i != s:
-            stage.graph.weights = {}  # never evaluated here
-    backend.graph.weights = {k: v for k, v in backend.graph.weights.items() if k in mine}
-    backend._weights, backend._opt_state = {}, None
-    del backend.model.graph.initializer[:]
-    gc.collect()
-
-
-def _at(s: int, value: Any) -> list[Any]:
-    """A list with ``value`` at index ``s`` (the executor indexes its context by stage)."""
-    return [None] * s + [value]
 
 
 def _portable(error: BaseException) -> BaseException | None:

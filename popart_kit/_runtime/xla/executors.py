@@ -1,0 +1,212 @@
+"""How a step runs: executors behind one protocol.
+
+Every way of running a session's step implements :class:`Executor`: ``prepare`` compiles for a
+state, and ``run`` takes the run's canonical host inputs, the committed :class:`~.state.
+SessionState` and the hyperparameters, and returns a :class:`StepResult` - the anchors as host
+arrays, the new state (training) and the finiteness flags (training) - without changing
+anything: the backend checks and commits. The backend wraps every executor's run in the same
+lock, profiling and peer-watching.
+
+* :class:`LoopedExecutor`: the whole step one compiled program, its chunks looped inside it.
+* :class:`HostDrivenExecutor`: a chunk program (and an update program) called from the host per
+  chunk, results staying on the device (convolutions on CPU; see :mod:`.steps`).
+* ``PipelineExecutor`` (:mod:`.pipeline`): each stage its own programs on its own devices.
+
+The first two run the same math, a :class:`StepFunctions`: the per-chunk work, the update and
+the flags a backend defines once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .placement import Placement
+from .state import SessionState
+from .steps import loop
+
+__all__ = ["Executor", "StepResult", "StepFunctions", "LoopedExecutor", "HostDrivenExecutor"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a run produced: ``anchors`` (host arrays holding each anchor's values in order;
+    the backend gives them their host shapes), the ``state`` after the run's updates (None for
+    inference) and ``flags`` (training: :func:`~.state.finite_flags`; None when unchecked)."""
+
+    anchors: dict[str, np.ndarray]
+    state: SessionState | None = None
+    flags: np.ndarray | None = None
+
+
+class Executor(Protocol):
+    """Runs a session's steps; see the module docs."""
+
+    #: The compiled programs (empty until prepared; a pipeline compiles as it first runs).
+    programs: list[Any]
+
+    def prepare(self, state: SessionState, hyper: Any) -> None: ...
+
+    def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
+            hyper: Any) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """The math of one step, traced per device (its block of replicas) inside a program.
+
+    A run is ``updates`` weight updates (1 for inference, whose chunks need no update between
+    them), each of ``chunks`` chunks. ``work()`` is a run's fresh carry (a dict with the anchor
+    ``"buffers"``); ``chunk(state, work, hyper, inputs, update, index)`` returns the chunk's
+    gradient (``{}`` for inference) and the work with its anchors written; ``apply(state,
+    grads, hyper)`` makes an update (None: inference); ``flags(state, work)`` says whether
+    the run stayed finite (None: unchecked). ``stream_axes``/``buffer_axes``: the replica
+    axis of each input and anchor buffer."""
+
+    updates: int
+    chunks: int
+    work: Callable[[], dict[str, Any]]
+    chunk: Callable[..., tuple[dict[str, Any], dict[str, Any]]]
+    apply: Callable[[SessionState, Any, Any], SessionState] | None
+    flags: Callable[[SessionState, Any], Any] | None
+    inputs: dict[str, jax.ShapeDtypeStruct]
+    stream_axes: dict[str, int | None]
+    buffer_axes: dict[str, int]
+
+    @property
+    def training(self) -> bool:
+        return self.apply is not None
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _indices(placement: Placement, count: int) -> list[Any]:
+    """Loop indices as device scalars, put once (a Python int would be a new transfer per
+    call)."""
+    return [placement.put_everywhere(np.int32(i)) for i in range(count)]
+
+
+class LoopedExecutor:
+    """The whole step as one compiled program: its updates and chunks looped inside it."""
+
+    def __init__(self, step: StepFunctions, placement: Placement) -> None:
+        self.step, self.placement = step, placement
+        self.programs: list[Any] = []
+
+    def _whole(self, state: SessionState, hyper: Any, inputs: Any) -> Any:
+        f = self.step
+
+        def update(u: Any, carry: Any) -> Any:
+            state, work = carry
+            # the first chunk's gradient starts the accumulator: no zeroed buffer when one
+            # chunk is the whole update
+            grads, work = f.chunk(state, work, hyper, inputs, u, jnp.int32(0))
+
+            def more(k: Any, c: Any) -> Any:
+                g, w = f.chunk(state, c[1], hyper, inputs, u, k)
+                return _add(c[0], g), w
+
+            if f.chunks > 1:
+                grads, work = jax.lax.fori_loop(1, f.chunks, more, (grads, work))
+            return (f.apply(state, grads, hyper) if f.training else state), work
+
+        state, work = loop(f.updates, update, (state, f.work()))
+        flags = f.flags(state, work) if f.flags is not None else None
+        # inference gives back no state: returning the weights would copy them every run
+        return (state if f.training else None), work["buffers"], flags
+
+    def prepare(self, state: SessionState, hyper: Any) -> None:
+        f = self.step
+        program = jax.jit(self.placement.spmd(
+            self._whole, (None, None, f.stream_axes), (None, f.buffer_axes, None)))
+        inputs = self.placement.abstract(f.inputs, f.stream_axes)
+        self.programs = [program.lower(state, hyper, inputs).compile()]
+
+    def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
+            hyper: Any) -> StepResult:
+        device = self.placement.put(inputs, self.step.stream_axes)
+        new, buffers, flags = self.programs[0](state, hyper, device)
+        anchors, flags = self.placement.fetch((buffers, flags))
+        return StepResult(anchors, new, flags)
+
+    def close(self) -> None:
+        pass
+
+
+class HostDrivenExecutor:
+    """The step's chunks (and updates) each a program call from the host, the run's work
+    staying on the device between calls (see :mod:`.steps`). The committed state is never
+    donated, so a failed or interrupted run leaves it intact."""
+
+    def __init__(self, step: StepFunctions, placement: Placement) -> None:
+        self.step, self.placement = step, placement
+        self.programs: list[Any] = []
+        self._indices: list[Any] = []
+
+    def _init(self, state: SessionState) -> Any:
+        work = self.step.work()
+        if self.step.training:
+            work["grads"] = {n: jnp.zeros_like(state.weights[n]) for n in self._trained}
+        return work
+
+    def _chunk(self, state: SessionState, work: Any, hyper: Any, inputs: Any, update: Any,
+               index: Any) -> Any:
+        grads, out = self.step.chunk(state, work, hyper, inputs, update, index)
+        if self.step.training:
+            out["grads"] = _add(work["grads"], grads)
+        return out
+
+    def _update(self, state: SessionState, work: Any, hyper: Any) -> Any:
+        state = self.step.apply(state, work["grads"], hyper)  # type: ignore[misc]
+        return state, {**work, "grads": jax.tree.map(jnp.zeros_like, work["grads"])}
+
+    def _flags(self, state: SessionState, work: Any) -> Any:
+        return self.step.flags(state, work)  # type: ignore[misc]
+
+    def prepare(self, state: SessionState, hyper: Any) -> None:
+        f = self.step
+        inputs = self.placement.abstract(f.inputs, f.stream_axes)
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        if f.training:  # the weights a chunk's gradient has
+            self._trained = list(jax.eval_shape(
+                lambda s, w, h, x: f.chunk(s, w, h, x, jnp.int32(0), jnp.int32(0))[0],
+                state, f.work(), hyper, inputs))
+        init = jax.jit(self._init).lower(state).compile()
+        work = jax.eval_shape(self._init, state)
+        chunk = jax.jit(self._chunk, donate_argnums=(1,)).lower(
+            state, work, hyper, inputs, index, index).compile()
+        programs = [init, chunk]
+        if f.training:
+            programs.append(jax.jit(self._update, donate_argnums=(1,)).lower(
+                state, work, hyper).compile())
+        if f.flags is not None:
+            programs.append(jax.jit(self._flags).lower(state, work).compile())
+        self.programs = programs
+        self._indices = _indices(self.placement, max(f.updates, f.chunks))
+
+    def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
+            hyper: Any) -> StepResult:
+        f = self.step
+        device = self.placement.put(inputs, f.stream_axes, resident=True)
+        init, chunk, *rest = self.programs
+        work = init(state)
+        for u in self._indices[:f.updates]:
+            for k in self._indices[:f.chunks]:
+                work = chunk(state, work, hyper, device, u, k)
+            if f.training:
+                state, work = rest[0](state, work, hyper)
+        flags = rest[-1](state, work) if f.flags is not None else None
+        anchors, flags = self.placement.fetch((work["buffers"], flags))
+        return StepResult(anchors, state if f.training else None, flags)
+
+    def close(self) -> None:
+        pass

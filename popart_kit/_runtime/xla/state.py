@@ -1,0 +1,110 @@
+"""A session's state, and the one way a training step changes it.
+
+:class:`SessionState` is everything a run reads and a training run replaces: the weights, the
+optimizer's state and the count of weight updates applied, as one frozen pytree. Every way of
+running a step (looped, host-driven, pipelined; one instance or several) changes it only
+through :func:`apply_update` - the gradient reduced once by :func:`reduce_gradients` under the
+session's :class:`Reduction`, then the optimizer - and a run's result is kept only after
+:func:`check_finite` has passed it: the session commits a new state in one assignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+
+from ...errors import NonFiniteUpdate
+
+__all__ = ["SessionState", "Reduction", "reduce_gradients", "apply_update", "finite_flags",
+           "check_finite"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SessionState:
+    """The weights (by name), the optimizer's state (``()`` for inference) and the number of
+    weight updates applied so far (a device scalar)."""
+
+    weights: dict[str, Any]
+    optimizer: Any = ()
+    updates: Any = field(default_factory=lambda: np.int32(0))
+
+    def with_weights(self, new: Mapping[str, Any]) -> SessionState:
+        """The state with some weights replaced (the others, and the optimizer, kept)."""
+        return replace(self, weights={**self.weights, **new})
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a weight update's gradient is reduced: summed over the mesh ``axes`` the program
+    runs over (empty: the program already holds the sum), as one all-reduce of the flattened
+    gradients when ``flat`` (between processes: one message instead of one per weight), then
+    divided by ``divisor`` (1 for ``reduction='sum'``; accumulation factor x global replicas
+    for ``'mean'``, as PopART's Post accumulation-reduction strategy does)."""
+
+    axes: tuple[str, ...] = ()
+    flat: bool = False
+    divisor: int = 1
+
+    @classmethod
+    def of(cls, config: Any, axes: Sequence[str] = (), flat: bool = False) -> Reduction:
+        mean = config.accumulation.reduction == "mean"
+        divisor = config.accumulation.factor * config.replication.global_replicas
+        return cls(tuple(axes), flat, divisor if mean else 1)
+
+
+def reduce_gradients(grads: Mapping[str, Any], reduction: Reduction) -> dict[str, Any]:
+    """An update's gradient reduced over every replica of every instance (inside a program)."""
+    if reduction.axes and reduction.flat:
+        flat, unflatten = jax.flatten_util.ravel_pytree(dict(grads))
+        grads = unflatten(jax.lax.psum(flat, reduction.axes))
+    elif reduction.axes:
+        grads = jax.lax.psum(dict(grads), reduction.axes)
+    if reduction.divisor != 1:
+        grads = {n: g / reduction.divisor for n, g in grads.items()}
+    return dict(grads)
+
+
+def apply_update(state: SessionState, grads: Mapping[str, Any], hyper: Any, optimizer: Any,
+                 reduction: Reduction) -> SessionState:
+    """One weight update: the weights ``grads`` names (its keys) reduced and stepped by the
+    optimizer; the other weights unchanged; the update counted."""
+    grads = reduce_gradients(grads, reduction)
+    trained = {n: state.weights[n] for n in grads}
+    new, opt_state = optimizer.apply(hyper, trained, grads, state.optimizer)
+    return SessionState({**state.weights, **new}, opt_state, state.updates + 1)
+
+
+def finite_flags(losses_finite: Any, weights: Mapping[str, Any], trained: Sequence[str]) -> Any:
+    """[updates + trained] booleans (inside a program): whether each update's losses were
+    finite, then whether each trained weight ends finite (a non-finite gradient or update
+    leaves its weight non-finite for good: no optimizer makes NaN or Inf finite again)."""
+    ends = jnp.stack([jnp.isfinite(weights[n]).all() for n in trained])
+    return jnp.concatenate([jnp.asarray(losses_finite, bool), ends])
+
+
+def check_finite(flags: np.ndarray, trained: Sequence[str], updates: int) -> None:
+    """Refuse (NonFiniteUpdate) a run whose :func:`finite_flags` are not all true, naming the
+    first update with a non-finite loss and the weights that ended non-finite."""
+    flags = np.asarray(flags, bool)
+    if flags.all():
+        return
+    losses, weights = flags[:updates], flags[updates:]
+    found = []
+    if not losses.all():
+        found.append(f"the loss of weight update {int(np.argmin(losses))} (of {updates})")
+    bad = [repr(n) for n, ok in zip(trained, weights, strict=True) if not ok]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        found.append(f"the updated weight(s) {shown} (a non-finite gradient or update)")
+    raise NonFiniteUpdate(
+        f"this run met NaN or Inf in {' and in '.join(found)}; no update of the run was "
+        f"applied: the weights and optimizer state are as before the run. Fix: look for "
+        f"NaN/Inf or extreme values in this run's inputs, lower the learning rate or the "
+        f"loss scaling; check_finite=False skips this check.")
