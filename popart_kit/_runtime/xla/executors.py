@@ -103,7 +103,15 @@ class LoopedExecutor:
         self.programs: list[Any] = []
 
     def _whole(self, state: SessionState, hyper: Any, inputs: Any) -> Any:
+        """The step; inference gives back no state (returning the weights would copy them
+        every run)."""
         f = self.step
+
+        if not f.training:  # the chunks straight through, no gradient to carry
+            work = loop(f.chunks, lambda k, w: f.chunk(state, w, hyper, inputs, jnp.int32(0),
+                                                        k)[1], f.work())
+            flags = f.flags(state, work) if f.flags is not None else None
+            return None, work["buffers"], flags
 
         def update(u: Any, carry: Any) -> Any:
             state, work = carry
@@ -121,19 +129,27 @@ class LoopedExecutor:
 
         state, work = loop(f.updates, update, (state, f.work()))
         flags = f.flags(state, work) if f.flags is not None else None
-        # inference gives back no state: returning the weights would copy them every run
-        return (state if f.training else None), work["buffers"], flags
+        return state, work["buffers"], flags
 
     def prepare(self, state: SessionState, hyper: Any) -> None:
         f = self.step
-        program = jax.jit(self.placement.spmd(
-            self._whole, (None, None, f.stream_axes), (None, f.buffer_axes, None)))
         inputs = self.placement.abstract(f.inputs, f.stream_axes)
-        self.programs = [program.lower(state, hyper, inputs).compile()]
+        if f.training:
+            program = jax.jit(self.placement.spmd(
+                self._whole, (None, None, f.stream_axes), (None, f.buffer_axes, None)))
+            self.programs = [program.lower(state, hyper, inputs).compile()]
+            return
+        # inference takes the weights alone: each argument is a cost of every call
+        program = jax.jit(self.placement.spmd(
+            lambda w, x: self._whole(SessionState(w), None, x)[1],
+            (None, f.stream_axes), f.buffer_axes))
+        self.programs = [program.lower(state.weights, inputs).compile()]
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
             hyper: Any) -> StepResult:
         device = self.placement.put(inputs, self.step.stream_axes)
+        if not self.step.training:
+            return StepResult(self.placement.fetch(self.programs[0](state.weights, device)))
         new, buffers, flags = self.programs[0](state, hyper, device)
         anchors, flags = self.placement.fetch((buffers, flags))
         return StepResult(anchors, new, flags)
