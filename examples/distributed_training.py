@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--inference", action="store_true", help="run inference only")
     parser.add_argument("--pipeline", action="store_true",
                         help="two pipeline stages per replica (launch with --ipus-per-replica 2)")
+    parser.add_argument("--stage-processes", action="store_true",
+                        help="with --pipeline on the xla backend: each stage in a worker "
+                             "process of its own (pipeline_workers='processes')")
     parser.add_argument("--backend", default="auto", choices=("auto", "xla", "popart"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -93,12 +96,14 @@ def main() -> None:
     if "POPDIST_NUM_TOTAL_REPLICAS" in os.environ:  # started by popart-kit launch or poprun
         cfg = cfg.with_popdist_env()
     rep = cfg.replication
+    options = {"pipeline_workers": "processes"} if args.stage_processes else {}
     if args.inference:
         sess = pk.InferenceSession(model, cfg, anchors={names["probs"]: "All"},
-                                   backend=args.backend)
+                                   backend=args.backend, **options)
     else:
         sess = pk.TrainingSession(model, cfg, loss=names["loss"], optimizer=pk.SGD(0.5),
-                                  anchors={names["loss"]: "All"}, backend=args.backend)
+                                  anchors={names["loss"]: "All"}, backend=args.backend,
+                                  **options)
     anchors = []
     start = time.perf_counter()
     for step in range(args.steps):

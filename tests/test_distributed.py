@@ -82,15 +82,18 @@ def test_instances_match_one_instance_with_all_replicas(reference, tmp_path, ins
     assert worst < 1e-5
 
 
-def test_pipelined_instances_match_one_instance_with_all_replicas(tmp_path):
-    """Each replica two pipeline stages (stage threads), two instances: every gradient is
-    reduced over the replicas of both instances, so each ends with the weights one unpipelined
-    instance with all four replicas reaches, and its losses are its replicas' share."""
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_pipelined_instances_match_one_instance_with_all_replicas(tmp_path, workers):
+    """Each replica two pipeline stages (in stage threads, or worker processes), two
+    instances: every gradient is reduced over the replicas of both instances, so each ends
+    with the weights one unpipelined instance with all four replicas reaches, and its losses
+    are its replicas' share."""
     subprocess.run([sys.executable, str(EXAMPLE), "--replicas", "4", "--accumulation", "4",
                     "--out", str(tmp_path / "one")], check=True, timeout=BOUND,
                    capture_output=True)
     status, out, err = run_launch(
         [sys.executable, str(EXAMPLE), "--pipeline", "--accumulation", "4",
+         *(["--stage-processes"] if workers == "processes" else []),
          "--out", str(tmp_path / "two")], num_instances=2, num_replicas=4, ipus_per_replica=2)
     assert status == 0, err + out[-3000:]
     whole, parts = saved(tmp_path / "one", 1)[0], saved(tmp_path / "two", 2)
@@ -102,7 +105,8 @@ def test_pipelined_instances_match_one_instance_with_all_replicas(tmp_path):
         else:  # loss All [bps, A, R]: each instance has its two replicas
             joined = np.concatenate([p[key] for p in parts], axis=-1)
             worst = max(worst, float(np.abs(joined - value).max()))
-    print(f"pipelined, 2 instances x 2 replicas vs unpipelined 1 x 4: max difference {worst:.3g}")
+    print(f"pipelined ({workers}), 2 instances x 2 replicas vs unpipelined 1 x 4: max "
+          f"difference {worst:.3g}")
     assert worst < 1e-5
 
 

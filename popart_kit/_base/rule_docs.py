@@ -204,8 +204,8 @@ RULES: dict[str, tuple[str, str]] = {
     "K-weight-shape": ("write_weights arrays have the weights' shapes.", "PopART."),
     "K-nonfinite-update": ("A training run met NaN/Inf: nothing is applied.", _KIT),
     "K-memory": ("The step fits the device's memory.", "Poplar: out of memory."),
-    "K-pipeline-workers": ("pipeline_workers is 'threads' or 'processes'; processes run one "
-                           "process's stages on CPU, not several instances or GPUs.", _KIT),
+    "K-pipeline-workers": ("pipeline_workers is 'threads' or 'processes'; processes run the "
+                           "stages in CPU worker processes, not on GPUs.", _KIT),
     "K-stage-worker": ("A stage's worker process that fails, dies or falls silent stops the "
                        "run with its stage named; nothing is applied.", _KIT),
     "K-chunk": ("micro_batches_per_chunk is a positive count (the chunk used is the largest "

@@ -62,7 +62,7 @@ from .memory import check_fits
 from .ops import partials
 from .placement import PROCESS, Placement
 from .stages import Board, RunContext, Stage, StagePrograms, StageRunner, StageSpec
-from .state import Reduction, SessionState
+from .state import Reduction, SessionState, reduce_gradients
 
 __all__ = ["PipelineFacts", "PipelineExecutor", "split", "pipeline_for", "RECOMPUTE",
            "WORKERS"]
@@ -253,10 +253,13 @@ class PipelineExecutor:
         self.specs = self._specs()
         self._runners: dict[int, StageRunner] = {}
         self.processes: Any = None  # StageProcesses, with pipeline_workers="processes"
+        self._sums: dict[int, Callable] = {}  # stage -> its gradients' sum over instances
         if devices is None:
             from .stage_processes import StageProcesses
 
-            self.processes = StageProcesses(self._worker_init, len(stages))
+            self.processes = StageProcesses(
+                self._worker_init, len(stages),
+                serve=self._sum_over_instances if self.specs[0].exchange else None)
         self._held: SessionState | None = None  # the state the workers hold
         self._checked = False  # the memory check
 
@@ -289,8 +292,11 @@ class PipelineExecutor:
         f = self.facts
         kept, summed = self._kept()
         broadcast = frozenset(k for k, s in f.io.inputs.items() if s.broadcast)
-        reduction = Reduction.of(f.config, (PROCESS,) if f.placement.distributed else (),
-                                 flat=f.placement.distributed)
+        # over instances the update sums every instance's gradient: inside its program with
+        # stage threads, or in the session's process, asked by each worker (``exchange``)
+        across = f.placement.distributed and self.devices is not None
+        reduction = Reduction.of(f.config, (PROCESS,) if across else (), flat=across)
+        exchange = f.placement.distributed and self.devices is None
         out = []
         for st in self.stages:
             probes = {t: (tuple(f.io.anchors[GRADIENT_PREFIX + t][0].shape),
@@ -299,7 +305,7 @@ class PipelineExecutor:
             out.append(StageSpec(
                 st, len(self.stages), self.replicas, self.schedule, broadcast, kept, summed,
                 self.recompute, f.loss, tuple(w for w in st.weights if w in f.trained),
-                f.optimizer, reduction, probes))
+                f.optimizer, reduction, exchange, probes))
         return out
 
     def _worker_init(self) -> dict[str, Any]:
@@ -307,6 +313,18 @@ class PipelineExecutor:
         own stage's part) and every stage's spec (it takes its own)."""
         return dict(model=self.facts.model.SerializeToString(),
                     stages=[spec.portable() for spec in self.specs])
+
+    def _sum_over_instances(self, s: int, gradient: Any) -> Any:
+        """Stage ``s``'s gradient (host arrays, from its worker) summed over every instance: one
+        all-reduce between this stage's counterparts in the instances' processes, each stage
+        on a device of its own so the stages' sums never wait for one another."""
+        if s not in self._sums:
+            placement = self.facts.placement
+            devices = jax.local_devices(backend=placement.platform)
+            self._sums[s] = placement.across_instances(
+                lambda g: reduce_gradients(g, Reduction((PROCESS,), flat=True)), (),
+                devices[s % len(devices)])
+        return jax.device_get(self._sums[s](gradient))
 
     # -- where stages run -----------------------------------------------------------------
 

@@ -182,12 +182,6 @@ class XlaBackend:
                                f"{jax.devices()[0].platform.upper()} devices.",
                                "use pipeline_workers='threads': each stage gets devices of its "
                                "own there.", "K-pipeline-workers"))
-        elif workers == "processes" and self.config.replication.instances > 1:
-            out.append(Problem(("pipeline_workers",), f"pipeline_workers='processes' with "
-                               f"{self.config.replication.instances} instances: stage workers "
-                               f"run one process's stages, not instances joined over "
-                               f"jax.distributed.", "use pipeline_workers='threads' across "
-                               "instances.", "K-pipeline-workers"))
         return out
 
     def _anchor_tensor(self, anchor: str) -> str:

@@ -160,8 +160,10 @@ class StageProcesses:
     suffice (set both before the workers start)."""
 
     def __init__(self, spec: Callable[[], dict[str, Any]], stages: int,
-                 threads: int | None = None) -> None:
-        self.spec, self.stages = spec, stages
+                 threads: int | None = None,
+                 serve: Callable[[int, Any], Any] | None = None) -> None:
+        self.spec, self.stages, self.serve = spec, stages, serve
+        self._closing = threading.Lock()
         self.threads = threads if threads is not None else default_threads(stages)
         self.pin = False
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -223,8 +225,9 @@ class StageProcesses:
 
     def close(self) -> None:
         """Stop the workers (the next run starts new ones)."""
-        _stop(self._procs, self._links)
-        self.devices = []
+        with self._closing:
+            _stop(self._procs, self._links)
+            self.devices = []
 
     # -- a run ------------------------------------------------------------------------------
 
@@ -240,10 +243,43 @@ class StageProcesses:
                     raise StageWorkerError(
                         f"pipeline stage {s}'s worker process closed its link before its run; "
                         f"nothing was applied.") from None
-            return [self._answer(s, SILENCE_SECONDS, "run") for s in range(self.stages)]
+            if self.serve is None:
+                return [self._answer(s, SILENCE_SECONDS, "run") for s in range(self.stages)]
+            return self._answers_serving()
         except BaseException:
             self.close()
             raise
+
+    def _answers_serving(self) -> list[Any]:
+        """Each stage's answer, waited for by a thread per stage that also answers its
+        worker's requests (``serve``) on the way: the stages' requests are served at once,
+        whatever order they come in. The first failure stops every worker and is raised."""
+        results: list[Any] = [None] * self.stages
+        errors: list[BaseException] = []
+
+        def answer(s: int) -> None:
+            try:
+                results[s] = self._answer(s, SILENCE_SECONDS, "run")
+            except BaseException as error:  # noqa: BLE001 - raised by the calling thread
+                errors.append(error)
+                self.close()
+
+        threads = [threading.Thread(target=answer, args=(s,), daemon=True,
+                                    name=f"stage {s}'s answers") for s in range(self.stages)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        except BaseException:
+            self.close()
+            for t in threads:
+                if t.ident is not None:
+                    t.join()
+            raise
+        if errors:
+            raise errors[0]
+        return results
 
     def _name_the_dead(self, what: str, within: float = 0.0) -> None:
         """Raise for the first worker that has exited, if any, looking for up to ``within``
@@ -262,6 +298,26 @@ class StageProcesses:
             time.sleep(0.02)
 
     def _answer(self, s: int, seconds: float, what: str) -> Any:
+        """Stage ``s``'s answer, its worker's requests served on the way (``serve``)."""
+        while True:
+            kind, value = self._message(s, seconds, what)
+            if kind != "request" or self.serve is None:
+                break
+            self._links[s].send(("answer", self.serve(s, value)))
+        if kind == "error":
+            error, text = value
+            # a neighbour's death shows here as a broken link, a moment before it can be reaped
+            self._name_the_dead(what, LINK_DEATH_SECONDS
+                                if isinstance(error, ConnectionError | EOFError) else 0.0)
+            self.close()
+            if isinstance(error, BaseException):
+                raise error from StageWorkerError(f"in pipeline stage {s}'s worker:\n{text}")
+            raise StageWorkerError(f"pipeline stage {s}'s worker failed:\n{text}")
+        return value
+
+    def _message(self, s: int, seconds: float, what: str) -> tuple[str, Any]:
+        """Stage ``s``'s worker's next message; one that died, or fell silent for ``seconds``,
+        is named."""
         link, proc = self._links[s], self._procs[s]
         deadline = time.monotonic() + seconds
         while not link.poll(0.2):
@@ -273,7 +329,7 @@ class StageProcesses:
                     f"during its {what}; the workers were stopped and nothing was applied. "
                     f"Fix: use pipeline_workers='threads', or fewer micro-batches per step.")
         try:
-            kind, value = link.recv()
+            return link.recv()
         except (EOFError, OSError):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
@@ -281,16 +337,6 @@ class StageProcesses:
             raise StageWorkerError(
                 f"pipeline stage {s}'s worker process (pid {proc.pid}) closed its link during "
                 f"its {what} (exit code {proc.returncode}); nothing was applied.") from None
-        if kind == "error":
-            error, text = value
-            # a neighbour's death shows here as a broken link, a moment before it can be reaped
-            self._name_the_dead(what, LINK_DEATH_SECONDS
-                                if isinstance(error, ConnectionError | EOFError) else 0.0)
-            self.close()
-            if isinstance(error, BaseException):
-                raise error from StageWorkerError(f"in pipeline stage {s}'s worker:\n{text}")
-            raise StageWorkerError(f"pipeline stage {s}'s worker failed:\n{text}")
-        return value
 
 
 def _socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -355,9 +401,10 @@ class _PipeBoard(Board):
             super().put(key, value)
 
 
-def _runner(init: dict[str, Any]) -> Any:
+def _runner(init: dict[str, Any], main: _Link) -> Any:
     """Stage ``init["stage"]``'s runner, built from the model and its spec alone, on this
-    process's one CPU device."""
+    process's one CPU device; where its gradients are summed over instances, the session's
+    process (at the other end of ``main``) sums them."""
     import dataclasses
 
     import jax
@@ -372,7 +419,13 @@ def _runner(init: dict[str, Any]) -> Any:
     spec = init["stages"][init["stage"]]
     whole = lower(onnx.load_from_string(init["model"]))
     spec = dataclasses.replace(spec, stage=spec.stage.built(whole))
-    return StageRunner(spec, StagePrograms(spec), lambda axis: device)
+    def exchange(gradient: Any) -> Any:
+        main.send(("request", jax.device_get(gradient)))
+        kind, value = main.recv()
+        return jax.device_put(value, device)
+
+    return StageRunner(spec, StagePrograms(spec), lambda axis: device,
+                       exchange if spec.exchange else None)
 
 
 def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
@@ -388,7 +441,7 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
     if init.get("cores"):
         os.sched_setaffinity(0, init["cores"])
     try:
-        runner = _runner(init)
+        runner = _runner(init, main)
         del init  # the model's bytes
         device = jax.devices()[0]
         main.send(("ok", (str(device), int(os.environ.get("PJRT_NPROC", "0")))))

@@ -93,6 +93,9 @@ class StageSpec:
     trained: tuple[str, ...] = ()
     optimizer: Any = None
     reduction: Reduction = Reduction()
+    #: the stage's gradients are summed over the instances by the session's process (stage
+    #: worker processes over several instances) before each update
+    exchange: bool = False
     probe_specs: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
 
     @property
@@ -277,11 +280,14 @@ class RunContext:
 class StageRunner:
     """Does one stage's actions of the schedule in order: :meth:`act` hands each to the
     handler of its kind. ``where(replica_axis)``: the stage's device, or its sharding over
-    the stage's devices (None: a copy on each)."""
+    the stage's devices (None: a copy on each); ``exchange(gradient)``: the gradient summed
+    over every instance, where the session's process does that sum (worker processes)."""
 
     def __init__(self, spec: StageSpec, programs: StagePrograms,
-                 where: Callable[[int | None], Any]) -> None:
+                 where: Callable[[int | None], Any],
+                 exchange: Callable[[Any], Any] | None = None) -> None:
         self.spec, self.programs, self.where = spec, programs, where
+        self.exchange = exchange  # sums a gradient over the instances (``spec.exchange``)
         self.record = True
         self.handlers: dict[str, Callable[[Action, RunContext, Any], Any]] = {
             "F": self.forward, "B": self.backward, "U": self.update}
@@ -372,6 +378,8 @@ class StageRunner:
         s = self.index
         if not self.spec.trained:
             return None
+        if self.exchange is not None:
+            ctx.accs[s] = self.exchange(ctx.accs[s])
         # the stage's first update of a run reads the committed state
         apply = self.programs.apply if self.micro_batch(a) == 0 else self.programs.apply_again
         state = ctx.states[s]
