@@ -182,3 +182,15 @@ def test_config_shapes_use_its_factors():
     assert cfg.anchor_shape((8, 10)) == (4, 2, 2, 8, 10)
     inference = pk.SessionConfig(mode="inference", batches_per_step=4)
     assert inference.anchor_shape((3,), ("EveryN", 2)) == (2, 3)
+
+
+def test_a_step_shape_multiplies_its_factors_once():
+    from popart_kit._base.shapes import AnchorReturnType, StepShape
+
+    shape = StepShape.of(pk.SessionConfig(mode="training", batches_per_step=2,
+                                          accumulation={"factor": 3},
+                                          replication={"local_factor": 4}))
+    assert (shape.micro_batches, shape.global_replicas) == (6, 4)
+    assert StepShape(2, 3, 4, instances=2).global_replicas == 8
+    assert shape.returned(AnchorReturnType("Final")) == range(5, 6)
+    assert list(shape.returned(AnchorReturnType("EveryN", 2))) == [1, 3, 5]

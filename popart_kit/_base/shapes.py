@@ -18,6 +18,7 @@ from ..errors import ConfigError
 
 __all__ = [
     "AnchorReturnType",
+    "StepShape",
     "input_shape",
     "anchor_shape",
     "input_elements",
@@ -27,6 +28,38 @@ __all__ = [
 ]
 
 _NAMES = {"all": "All", "final": "Final", "sum": "Sum", "everyn": "EveryN"}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The shape of one run: ``batches_per_step`` steps of ``accumulation`` micro-batches each
+    (a training run makes one weight update per step), on ``replicas`` local replicas of each
+    of ``instances`` instances. The one place these factors are multiplied."""
+
+    batches_per_step: int
+    accumulation: int = 1
+    replicas: int = 1
+    instances: int = 1
+
+    @classmethod
+    def of(cls, config: Any) -> StepShape:
+        """A session config's run shape."""
+        return cls(config.batches_per_step, config.accumulation.factor,
+                   config.replication.local_factor, config.replication.instances)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches a run takes on each replica: bps x A."""
+        return self.batches_per_step * self.accumulation
+
+    @property
+    def global_replicas(self) -> int:
+        return self.replicas * self.instances
+
+    def returned(self, art: AnchorReturnType) -> range:
+        """The micro-batches of a run an anchor returns (see
+        :meth:`AnchorReturnType.returned_micro_batches`)."""
+        return art.returned_micro_batches(self.batches_per_step, self.accumulation)
 
 
 @dataclass(frozen=True, init=False)

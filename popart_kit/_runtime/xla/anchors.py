@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._base.shapes import AnchorReturnType
+from ..._base.shapes import AnchorReturnType, StepShape
 
 __all__ = ["AnchorBuffers", "chunk_size"]
 
@@ -37,22 +37,21 @@ class _Anchor:
 
 
 class AnchorBuffers:
-    """The anchors of a run of ``micro_batches`` micro-batches on ``replicas`` replicas."""
+    """The anchors of a run of ``shape`` (its micro-batches on its local replicas)."""
 
     def __init__(self, anchors: Mapping[str, AnchorReturnType],
-                 specs: Mapping[str, tuple[tuple[int, ...], Any]], batches_per_step: int,
-                 accumulation_factor: int, replicas: int) -> None:
-        self.micro_batches = batches_per_step * accumulation_factor
-        self.replicas = replicas
+                 specs: Mapping[str, tuple[tuple[int, ...], Any]], shape: StepShape) -> None:
+        self.micro_batches = shape.micro_batches
+        self.replicas = shape.replicas
         self._anchors: dict[str, _Anchor] = {}
         for name, art in anchors.items():
-            shape, dtype = specs[name]
+            dims, dtype = specs[name]
             if art.name == "Sum":
                 period, slots = None, 1
             else:
-                returned = art.returned_micro_batches(batches_per_step, accumulation_factor)
+                returned = shape.returned(art)
                 period, slots = returned.start + 1, len(returned)
-            self._anchors[name] = _Anchor(period, slots, tuple(shape), np.dtype(dtype))
+            self._anchors[name] = _Anchor(period, slots, tuple(dims), np.dtype(dtype))
 
     @property
     def periods(self) -> set[int]:

@@ -53,7 +53,7 @@ import onnx
 
 from ..._base.names import GRADIENT_PREFIX
 from ..._base.schedule import Action, PipelineSchedule, measured_bubble
-from ..._base.shapes import AnchorReturnType
+from ..._base.shapes import AnchorReturnType, StepShape
 from ..._model.layout import PipelineLayout
 from ...errors import ConfigError
 from .executors import StepResult
@@ -77,9 +77,9 @@ WORKERS = ("threads", "processes")
 class PipelineFacts:
     """What the pipeline is told of a session: its model and lowered graph, config, host
     layout (``io``), anchors (``tensors``: the tensor whose values each returns), their host
-    shapes, placement, ``shapes(wanted)`` (one micro-batch's shapes of tensors) and the
-    program's canonical inputs; for training the loss, gradient anchors (anchor -> tensor),
-    trained weights, optimizer and whether runs are checked for NaN/Inf."""
+    shapes, placement, ``shapes(wanted)`` (one micro-batch's shapes of tensors), the
+    program's canonical inputs and the run's shape; for training the loss, gradient anchors
+    (anchor -> tensor), trained weights, optimizer and whether runs are checked for NaN/Inf."""
 
     model: onnx.ModelProto
     graph: LoweredGraph
@@ -91,6 +91,7 @@ class PipelineFacts:
     placement: Placement
     shapes: Callable[[list[str]], dict[str, Any]]
     program_inputs: dict[str, jax.ShapeDtypeStruct]
+    shape: StepShape
     loss: str | None = None
     gradients: dict[str, str] = field(default_factory=dict)
     trained: list[str] = field(default_factory=list)
@@ -100,10 +101,6 @@ class PipelineFacts:
     @property
     def training(self) -> bool:
         return self.loss is not None
-
-    @property
-    def micro_batches(self) -> int:
-        return self.config.batches_per_step * self.config.accumulation.factor
 
     def key(self, anchor: str) -> str:
         """The value a run keeps for ``anchor``: its tensor's, or (a gradient anchor) the
@@ -244,7 +241,7 @@ class PipelineExecutor:
         config = facts.config
         self.training = facts.training
         self.schedule = PipelineSchedule.for_config(config, len(stages))
-        self.replicas = config.replication.local_factor
+        self.replicas = facts.shape.replicas
         self.recompute = config.pipeline.recomputation in RECOMPUTE
         self.record, self.threads = True, True
         self.trace: list[tuple[Action, int, float, float]] = []
@@ -270,7 +267,7 @@ class PipelineExecutor:
         the micro-batches a run keeps (those its anchors return, and every loss for the
         finiteness check), and which are summed instead (Sum anchors), so a run holds no more
         than it returns."""
-        f, config = self.facts, self.facts.config
+        f = self.facts
         computed = {t for st in self.stages for t in st.anchors} | {
             GRADIENT_PREFIX + t for st in self.stages for t in st.probes}
         kept: dict[str, set[int]] = {t: set() for t in computed}
@@ -282,10 +279,9 @@ class PipelineExecutor:
             if art.name == "Sum":
                 summed.add(t)
             else:
-                kept[t].update(art.returned_micro_batches(config.batches_per_step,
-                                                          config.accumulation.factor))
+                kept[t].update(f.shape.returned(art))
         if self.training:
-            kept[f.loss].update(range(f.micro_batches))
+            kept[f.loss].update(range(f.shape.micro_batches))
         return {t: frozenset(v) for t, v in kept.items()}, frozenset(summed)
 
     def _specs(self) -> list[StageSpec]:
@@ -484,14 +480,14 @@ class PipelineExecutor:
     def _finish(self, host: Mapping[str, np.ndarray], state: SessionState,
                 ctx: RunContext) -> StepResult:
         """The anchors, the new state (stages' states merged) and the finiteness flags."""
-        f, config = self.facts, self.facts.config
+        f = self.facts
         values = f.placement.fetch({"kept": ctx.outputs, "sums": ctx.sums})
         kept, sums = values["kept"], values["sums"]
         for t in {f.key(a) for a in f.anchors} - set(self.specs[0].kept):
             v = host[t]  # a stream input anchored: [micro-batches, (replicas,) ...]
             v = v if v.ndim > len(f.io.inputs[t].shape) + 1 else np.repeat(
                 v[:, None], self.replicas, axis=1)
-            kept.update(((t, m), v[m]) for m in range(f.micro_batches))
+            kept.update(((t, m), v[m]) for m in range(f.shape.micro_batches))
             sums[t] = v.sum(axis=0, dtype=v.dtype)
         anchors = {}
         for name, art in f.anchors.items():
@@ -499,8 +495,7 @@ class PipelineExecutor:
             if art.name == "Sum":
                 anchors[name] = np.asarray(sums[t])
             else:
-                anchors[name] = np.stack([kept[(t, m)] for m in art.returned_micro_batches(
-                    config.batches_per_step, config.accumulation.factor)])
+                anchors[name] = np.stack([kept[(t, m)] for m in f.shape.returned(art)])
         if not self.training:
             return StepResult(anchors)
         stage_states = [s for s in ctx.states if s is not None]
@@ -512,8 +507,8 @@ class PipelineExecutor:
             f.placement.put_everywhere(np.int32(updates)))
         flags = None
         if f.check_finite:
-            losses = np.stack([kept[(f.loss, m)] for m in range(f.micro_batches)]).reshape(
-                config.batches_per_step, -1)
+            losses = np.stack([kept[(f.loss, m)] for m in range(f.shape.micro_batches)]
+                              ).reshape(f.shape.batches_per_step, -1)
             ends = f.placement.fetch({k: jnp.isfinite(v).all() for s in stage_states
                                       for k, v in s.weights.items() if k in every})
             flags = np.array([bool(np.isfinite(row).all()) for row in losses]

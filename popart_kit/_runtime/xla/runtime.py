@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from ..._base.problems import Problem, emit_warnings, raise_errors, warn
-from ..._base.shapes import AnchorReturnType
+from ..._base.shapes import AnchorReturnType, StepShape
 from ..._host.stepio import StepIOFactory, TensorSpec
 from ..._model.builder import broadcast_inputs
 from ...errors import InvalidConfig
@@ -90,11 +90,10 @@ class XlaBackend:
             for name, art in self.anchors.items()})
         self.placement = Placement(config.replication.local_factor,
                                    processes=config.replication.instances)
-        self.micro_batches = config.batches_per_step * config.accumulation.factor
+        self.shape = StepShape.of(config)  # bps x A x R x instances
+        self.micro_batches = self.shape.micro_batches
         self.buffers = AnchorBuffers(self.anchors, {n: (s.shape, s.dtype)
-                                                    for n, s in found.items()},
-                                     config.batches_per_step, config.accumulation.factor,
-                                     config.replication.local_factor)
+                                                    for n, s in found.items()}, self.shape)
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
         self._anchor_shapes = {name: self.io.anchor_shape(name) for name in self.anchors}
         self._inputs = self._program_inputs()
@@ -142,7 +141,7 @@ class XlaBackend:
             anchors=self.anchors, tensors={a: self._anchor_tensor(a) for a in self.anchors},
             anchor_shapes=self._anchor_shapes, placement=self.placement,
             shapes=lambda wanted: self._shapes(self.io.inputs, wanted),
-            program_inputs=self._inputs, **self._training_facts())
+            program_inputs=self._inputs, shape=self.shape, **self._training_facts())
 
     def _training_facts(self) -> dict[str, Any]:
         return {}
@@ -225,7 +224,7 @@ class XlaBackend:
     def _program_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
         """What the program takes: [M, R, *S] streams and [M, *S] Broadcast inputs, in the
         dtypes JAX computes (PopART's int64 -> int32)."""
-        replicas = self.config.replication.local_factor
+        replicas = self.shape.replicas
         shapes = {}
         for name, spec in self.io.inputs.items():
             lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
@@ -346,7 +345,7 @@ class XlaBackend:
             with self._peers(), profiling.run(self):
                 result = self.executor.run(self._host_inputs(inputs), self.state, self.hyper)
             if result.flags is not None:
-                check_finite(result.flags, self.trained, self.config.batches_per_step)
+                check_finite(result.flags, self.trained, self.shape.batches_per_step)
             anchors = {name: np.asarray(result.anchors[name]).reshape(shape)
                        for name, shape in self._anchor_shapes.items()}
             if result.state is not None:

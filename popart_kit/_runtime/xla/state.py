@@ -19,6 +19,7 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
+from ..._base.shapes import StepShape
 from ...errors import NonFiniteUpdate
 
 __all__ = ["SessionState", "Reduction", "reduce_gradients", "apply_update", "finite_flags",
@@ -54,9 +55,9 @@ class Reduction:
 
     @classmethod
     def of(cls, config: Any, axes: Sequence[str] = (), flat: bool = False) -> Reduction:
+        shape = StepShape.of(config)
         mean = config.accumulation.reduction == "mean"
-        divisor = config.accumulation.factor * config.replication.global_replicas
-        return cls(tuple(axes), flat, divisor if mean else 1)
+        return cls(tuple(axes), flat, shape.accumulation * shape.global_replicas if mean else 1)
 
 
 def reduce_gradients(grads: Mapping[str, Any], reduction: Reduction) -> dict[str, Any]:

@@ -159,7 +159,7 @@ class XlaTrainingBackend(XlaBackend):
     # -- chunks and updates -------------------------------------------------------------------
 
     def _chunk_limit(self) -> int:
-        return self.config.accumulation.factor  # a chunk never crosses a weight update
+        return self.shape.accumulation  # a chunk never crosses a weight update
 
     def _activation_bytes(self, inputs: Any) -> int:
         return 2 * super()._activation_bytes(inputs)  # the backward pass keeps as much again
@@ -168,13 +168,13 @@ class XlaTrainingBackend(XlaBackend):
         """What a step carries besides the state: the anchor buffers and, per update,
         whether every micro-batch's loss was finite."""
         return {"buffers": self.buffers.init(self.placement.per_device),
-                "losses_finite": jnp.ones((self.config.batches_per_step,), bool)}
+                "losses_finite": jnp.ones((self.shape.batches_per_step,), bool)}
 
     def _step_functions(self) -> StepFunctions:
         """A training step: bps updates of A / chunk chunks each."""
         return StepFunctions(
-            updates=self.config.batches_per_step,
-            chunks=self.config.accumulation.factor // self.chunk, work=self._work,
+            updates=self.shape.batches_per_step,
+            chunks=self.shape.accumulation // self.chunk, work=self._work,
             chunk=self._chunk_grads,
             apply=lambda state, grads, hyper: apply_update(state, grads, hyper,
                                                            self.optimizer, self.reduction),
@@ -186,7 +186,7 @@ class XlaTrainingBackend(XlaBackend):
         """The gradient of chunk ``index`` of update ``update`` (summed over its micro-batches
         and this device's replicas), with its anchors written into ``work``."""
         weights = state.weights
-        start = update * self.config.accumulation.factor + index * self.chunk
+        start = update * self.shape.accumulation + index * self.chunk
         gradients = self.gradient_anchors
         wanted = list(dict.fromkeys([self.loss, *(self._anchor_tensor(a) for a in self.anchors
                                                  if a not in gradients)]))
