@@ -419,8 +419,9 @@ class PipelineExecutor:
                     for s, st in enumerate(self.stages)]
         results = self.processes.run(payloads)
         put = self.facts.placement.put_everywhere
-        ctx = RunContext(streams=[], states=[put(r["state"]) for r in results], hyper=[],
-                         accs=[], board=Board())
+        ctx = RunContext(streams=[], states=[put(r["state"]) if self.training else None
+                                             for r in results], hyper=[], accs=[],
+                         board=Board())
         for r in results:
             ctx.outputs.update(r["outputs"])
             ctx.sums.update(r["sums"])

@@ -475,7 +475,8 @@ def _serve(main: _Link, before: _Link | None, after: _Link | None) -> None:
             state = ctx.states[s]
             main.send(("ok", dict(outputs=jax.device_get(ctx.outputs),
                                   sums=jax.device_get(ctx.sums),
-                                  state=jax.device_get(state), trace=ctx.trace)))
+                                  state=jax.device_get(state) if spec.training else None,
+                                  trace=ctx.trace)))
         except BaseException as error:  # noqa: BLE001 - reported to the session's process
             main.send(("error", (_portable(error), traceback.format_exc())))
 
