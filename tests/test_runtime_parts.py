@@ -136,3 +136,39 @@ def test_the_looped_and_host_driven_executors_run_the_same_step_alike(updates, c
         results.append(result)
     np.testing.assert_allclose(results[0].state.weights["w"], results[1].state.weights["w"],
                                rtol=1e-6)
+
+
+def test_a_stage_is_built_from_its_spec_and_the_model_alone():
+    """What a stage worker process gets - the model and its stage's spec, pickled without the
+    stage's graph - builds programs that compute what the session's own stage programs do."""
+    import dataclasses
+    import pickle
+    import warnings
+
+    import onnx
+    from pipeline_models import mlp
+
+    from popart_kit._runtime.xla.lowering import lower
+    from popart_kit._runtime.xla.stages import StagePrograms
+
+    model, x, y, loss, _ = mlp(2)
+    cfg = pk.SessionConfig(mode="training", batches_per_step=1, accumulation={"factor": 3},
+                           ipus_per_replica=2, pipeline={"enabled": True},
+                           device={"target": "offline"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pk.PopartKitWarning)
+        sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    pipeline = sess.runtime.pipeline
+    spec = pipeline.specs[0]
+    sent = pickle.loads(pickle.dumps(spec.portable()))
+    assert sent.stage.graph is None and spec.stage.graph is not None
+    rebuilt = dataclasses.replace(sent, stage=sent.stage.built(lower(onnx.load_from_string(model))))
+    weights = {k: jnp.asarray(v) for k, v in sess.weights().items() if k in spec.stage.weights}
+    feed = sess.io.allocate_inputs("random", seed=1)
+    streams = {k: jnp.asarray(np.asarray(feed[k]).reshape((3, 1) + np.shape(feed[k])[1:]))
+               for k in spec.stage.streams}
+    here = pipeline.runner(0).programs.forward(weights, {}, streams, np.int32(1))
+    there = StagePrograms(rebuilt).forward(weights, {}, streams, np.int32(1))
+    assert jax.tree.structure(here) == jax.tree.structure(there)
+    for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there), strict=True):
+        np.testing.assert_array_equal(a, b)

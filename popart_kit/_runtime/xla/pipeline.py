@@ -437,9 +437,9 @@ class PipelineExecutor:
                                        {k: None if io[k].broadcast else 1 for k in st.streams})
                    for s, st in enumerate(self.stages)]
         local = placement.local_copy((state, hyper))
-        states = [jax.device_put(st, self._where(s))
+        states = [placement.to_stage(st, self.devices[s])
                   for s, st in enumerate(self._stage_states(local[0]))]
-        hypers = [jax.device_put(local[1], self._where(s)) for s in range(len(self.stages))]
+        hypers = [placement.to_stage(local[1], group) for group in self.devices]
         accs = [{k: jnp.zeros_like(st.weights[k]) for k in spec.trained}
                 if self.training else None
                 for st, spec in zip(states, self.specs, strict=True)]

@@ -208,6 +208,11 @@ class Placement:
         axis)."""
         return jax.device_put(dict(arrays), {k: self.on_stage(group, axes[k]) for k in arrays})
 
+    def to_stage(self, tree: Any, group: Sequence[jax.Device]) -> Any:
+        """A pytree (a stage's state, the hyperparameters) with a copy on each of a stage's
+        devices; arrays already there are not copied."""
+        return jax.device_put(tree, self.on_stage(group))
+
     def across_instances(self, fn: Callable, donate: tuple[int, ...],
                          device: jax.Device) -> Callable:
         """``fn`` compiled for ``device``; over several instances, one program over that
