@@ -157,7 +157,9 @@ def _check(args: argparse.Namespace) -> int:
         layout = PipelineLayout.from_model(model)
     except PopartKitError as exc:
         return refuse(args.model, _entries(exc))
-    found = layout.problems(cfg) if cfg is not None else []
+    # without a config, a model annotated with stages is judged as the pipeline it is for
+    found = (layout.problems(cfg) if cfg is not None else
+             layout.stage_problems() if any(op.stage is not None for op in layout.ops) else [])
     errors = [p for p in found if p.severity == "error"]
     warned = [p for p in found if p.severity == "warning"]
     if errors:

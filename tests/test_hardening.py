@@ -91,7 +91,10 @@ def test_a_huge_pipeline_stage_is_refused_quickly():
     model = onnx.load_from_string(b.getModelProto())
     for node in model.graph.node:
         node.attribute.append(helper.make_attribute("__pipeline_stage", 2**62))
-    err = refused(pk.InvalidModel, pk.PipelineLayout.from_model, model)
+    layout = pk.PipelineLayout.from_model(model)  # judged against a session, not alone
+    cfg = pk.SessionConfig(mode="training", ipus_per_replica=2, accumulation={"factor": 4},
+                           pipeline={"enabled": True})
+    err = refused(pk.InvalidModel, layout.check, cfg)
     assert "stage 0 is missing" in str(err)
 
 

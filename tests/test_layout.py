@@ -102,6 +102,10 @@ def test_stages_inferred_from_ipus():
 # -- the model's rules ----------------------------------------------------------------------------
 
 
+PIPELINED = {"ipus_per_replica": 4, "accumulation": {"factor": 8}, "pipeline": {"enabled": True},
+             "virtual_graph_mode": "manual"}
+
+
 @pytest.mark.parametrize("model, rule, words", [
     (chain((0, 0), (None, 1)), "V4", "only some ops have a pipeline stage; 1 has none: relu1"),
     (chain((0, 0), (1, None)), "V26", "only some ops have an IPU; 1 has none: relu1"),
@@ -111,22 +115,48 @@ def test_stages_inferred_from_ipus():
                                    "relu1 on stage 0"),
     (chain((None, 1), (None, 0)), "P9", "PopART takes each op's IPU as its stage"),
     (chain((0, 0), (1, 1), branch=(0, 0)), None, None),  # a branch in an earlier stage is fine
-    (chain((0, 0), (-1, 1)), "P11", "negative stage or IPU on relu1"),
 ])
-def test_model_rules(model, rule, words):
+def test_model_rules_when_pipelining(model, rule, words):
+    layout = PipelineLayout.from_model(model)  # no session yet: nothing to refuse
     if rule is None:
-        PipelineLayout.from_model(model)
+        layout.check(config(**PIPELINED))
         return
     with pytest.raises(ValidationError) as info:
-        PipelineLayout.from_model(model)
+        layout.check(config(**PIPELINED))
     assert rule in rules(info)
     assert words in str(info.value)
 
 
-def test_every_model_problem_at_once():
+@pytest.mark.parametrize("model", [chain((0, 0), (2, 1)), chain((0, 0), (0, 1)),
+                                   chain((1, 0), (0, 1)), chain((None, 1), (None, 0)),
+                                   chain((0, 0), (None, 1))])
+def test_stage_rules_apply_only_when_pipelining(model):
+    """PopART checks stage annotations and the order data flows between stages or IPUs only
+    when it pipelines (Ir::verifyPipelineSettings clears the stages otherwise): a model sharded
+    over IPUs with data going back from IPU 1 to IPU 0 runs unpipelined."""
+    layout = PipelineLayout.from_model(model)
+    found = layout.problems(config(ipus_per_replica=2, virtual_graph_mode="manual"))
+    assert not [p for p in found if p.severity == "error"], found
+
+
+def test_ipus_on_some_ops_only_matter_with_virtual_graphs():
+    layout = PipelineLayout.from_model(chain((None, 0), (None, None)))
+    assert not [p for p in layout.problems(config()) if p.severity == "error"]
+    assert "V26" in {p.rule for p in layout.problems(config(ipus_per_replica=2,
+                                                            virtual_graph_mode="manual"))}
+
+
+def test_negative_stages_are_refused_with_the_model():
     with pytest.raises(ValidationError) as info:
-        PipelineLayout.from_model(chain((0, 0), (0, 1), (3, 2), (2, 2)))
-    assert rules(info) == {"V8", "V5", "P10"}
+        PipelineLayout.from_model(chain((0, 0), (-1, 1)))
+    assert rules(info) == {"P11"} and "negative stage or IPU on relu1" in str(info.value)
+
+
+def test_every_model_problem_at_once():
+    layout = PipelineLayout.from_model(chain((0, 0), (0, 1), (3, 2), (2, 2)))
+    with pytest.raises(ValidationError) as info:
+        layout.check(config(**PIPELINED))
+    assert {"V8", "V5", "P10"} <= rules(info)
 
 
 # -- against a config -----------------------------------------------------------------------------
@@ -229,6 +259,7 @@ def test_unreadable_models_are_refused_with_a_reason(tmp_path):
 
 
 def test_a_gap_in_inferred_stages_names_the_ipus():
+    layout = PipelineLayout.from_model(chain((None, 0), (None, 2)))
     with pytest.raises(ValidationError, match="the IPUs \\(the stages PopART infers\\) used are "
                                               "\\[0, 2\\]"):
-        PipelineLayout.from_model(chain((None, 0), (None, 2)))
+        layout.check(config(**PIPELINED))

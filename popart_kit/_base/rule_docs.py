@@ -19,7 +19,7 @@ RULES: dict[str, tuple[str, str]] = {
            "ir.cpp verifyPipelineSettings silently clears the annotations."),
     "V4": ("With pipelining, every op has a pipeline stage, or none does.",
            "ir.cpp: 'Only some ops have had their pipeline stage set'."),
-    "V5": ("Ops of one pipeline stage sit on one IPU (virtual graph).",
+    "V5": ("When pipelining, the ops of one pipeline stage sit on one IPU (virtual graph).",
            "ir.cpp: 'Ops ... have the same pipeline stage ..., but different virtual graph ids'."),
     "V6": ("With accumulation, accumulation.factor is at least the pipeline depth.",
            "pipeline.cpp: 'depth (gradient accumulation factor) must equal at least the number "
@@ -27,7 +27,7 @@ RULES: dict[str, tuple[str, str]] = {
     "V7": ("Without accumulation, batches_per_step is at least the pipeline depth.",
            "pipeline.cpp: 'depth (batchesPerStep) must equal at least the number of pipeline "
            "stages'."),
-    "V8": ("Pipeline stages are numbered without gaps.",
+    "V8": ("When pipelining, pipeline stages are numbered without gaps.",
            "ir.cpp getNumPipelineStages: 'stage k is missing'."),
     "V11": ("Explicit pipelining needs explicitRecomputation, useHostCopyOps and "
             "enableExplicitMainLoops.",
@@ -56,7 +56,8 @@ RULES: dict[str, tuple[str, str]] = {
             "irlowering.cpp: 'has been assigned to an invalid virtual graph'."),
     "V25": ("virtual_graph_mode manual needs annotated ops.",
             "ir.cpp verifyVirtualGraphIds: 'no Ops have been annotated'."),
-    "V26": ("Every op has a virtual graph id, or none does.",
+    "V26": ("With virtual graphs on (virtual_graph_mode not off), every op has a virtual graph "
+            "id, or none does.",
             "ir.cpp: 'Either all Ops must have their virtual graph ids set, or none must'."),
     "V27": ("Virtual graph annotations with virtual_graph_mode off (warning).",
             "ir.cpp unsetAllVirtualGraphIds drops them with an info log."),
@@ -278,11 +279,13 @@ RULES: dict[str, tuple[str, str]] = {
     "K-model-duplicate-producer": ("One producer per tensor.", "onnx."),
     "K-model-attribute-type": ("Attributes of the schema's types.", "onnx."),
     "K-model-attribute-unknown": ("Attributes the schema has.", "onnx."),
-    "P9": ("Without stage annotations, data flows to the same or a later IPU (PopART takes "
-           "each op's IPU as its stage).", "PopART: a consumer on an earlier stage than its "
-           "producer is an error."),
-    "P10": ("Data flows to the same or a later pipeline stage.", "PopART: a consumer on an "
-            "earlier stage than its producer is an error."),
+    "P9": ("When pipelining a model without stage annotations, data flows to the same or a "
+           "later IPU (PopART takes each op's IPU as its stage).", "PopART's pipeline "
+           "transform: a consumer on an earlier stage than its producer is an error; without "
+           "pipelining ir.cpp verifyPipelineSettings clears the stages and data may flow back."),
+    "P10": ("When pipelining, data flows to the same or a later pipeline stage.",
+            "PopART's pipeline transform: a consumer on an earlier stage than its producer is "
+            "an error (without pipelining the stages are cleared)."),
     "P11": ("Stages and IPUs are numbered from 0.", "PopART: 'Op has bad pipeline stage'."),
     "P20": ("When pipelining, every op reading a weight sits on one IPU.",
             "PopART: 'Can not copy variable tensor ... between virtual graphs when "

@@ -222,29 +222,43 @@ class PipelineLayout:
     # -- the model's own rules ----------------------------------------------------------------
 
     def _model_problems(self) -> list[Problem]:
+        """What no session could run: negative stages or IPUs. The rules on how stages and
+        IPUs are annotated apply only where PopART applies them: :meth:`problems`."""
         out: list[Problem] = []
         staged = [op for op in self.ops if op.stage is not None]
         placed = [op for op in self.ops if op.ipu is not None]
+        negative = [op for op in staged if op.stage < 0] + [op for op in placed if op.ipu < 0]
+        if negative:
+            out.append(Problem(_STAGE_LOC, f"negative stage or IPU on "
+                                                 f"{_names([op.name for op in negative])}.",
+                               "number stages and IPUs from 0.", "P11"))
+        if not staged and placed:
+            self.inferred = True  # PopART sets each op's stage to its virtual graph id
+        return out
+
+    def _ipu_problems(self) -> list[Problem]:
+        """With virtual graphs on: every op has an IPU, or none does (PopART's
+        Ir::verifyVirtualGraphIds)."""
+        placed = [op for op in self.ops if op.ipu is not None]
+        if placed and len(placed) < len(self.ops):
+            missing = [op.name for op in self.ops if op.ipu is None]
+            return [Problem(_IPU_LOC, f"only some ops have an IPU; {_count(missing)} "
+                                      f"none: {_names(missing)}.",
+                            "annotate every op with an IPU, or none.", "V26")]
+        return []
+
+    def stage_problems(self) -> list[Problem]:
+        """With pipelining: PopART's Ir::verifyPipelineSettings and the pipeline transform's
+        rules on the model's stages (without pipelining PopART clears the stages)."""
+        out: list[Problem] = []
+        staged = [op for op in self.ops if op.stage is not None]
         if staged and len(staged) < len(self.ops):
             missing = [op.name for op in self.ops if op.stage is None]
             out.append(Problem(_STAGE_LOC, f"only some ops have a pipeline stage; "
                                                  f"{_count(missing)} none: {_names(missing)}.",
                                "annotate every op (PipelineBuilder.stage covers a whole block).",
                                "V4"))
-        if placed and len(placed) < len(self.ops):
-            missing = [op.name for op in self.ops if op.ipu is None]
-            out.append(Problem(_IPU_LOC, f"only some ops have an IPU; {_count(missing)} "
-                                                f"none: {_names(missing)}.",
-                               "annotate every op with an IPU, or none.", "V26"))
-        negative = [op for op in staged if op.stage < 0] + [op for op in placed if op.ipu < 0]
-        if negative:
-            out.append(Problem(_STAGE_LOC, f"negative stage or IPU on "
-                                                 f"{_names([op.name for op in negative])}.",
-                               "number stages and IPUs from 0.", "P11"))
-        if out:
             return out
-        if not staged and placed:
-            self.inferred = True  # PopART sets each op's stage to its virtual graph id
         stages = sorted({self._stage(op) for op in self.ops if self._stage(op) is not None})
         if stages and stages[-1] != len(stages) - 1:  # sorted and unique: a gap somewhere
             gap = next(i for i, s in enumerate(stages) if s != i)
@@ -371,6 +385,8 @@ class PipelineLayout:
                                "virtual_graph_mode='off': PopART ignores the model's IPU "
                                "annotations.", "set virtual_graph_mode='manual' to use them.",
                                "V27", "warning"))
+        if vgm != "off":
+            out += self._ipu_problems()
         f = self.forward_stages
         if not pipe.enabled:
             if any(op.stage is not None for op in self.ops):
@@ -385,6 +401,9 @@ class PipelineLayout:
                                "annotate stages (PipelineBuilder), or disable pipelining.",
                                "K-layout-unstaged"))
             return out
+        staging = self.stage_problems()
+        if staging:  # the stages themselves are wrong: nothing below can be judged
+            return out + staging
         for weight, ipus in sorted(self._weights_across_ipus().items()):
             out.append(Problem(_IPU_LOC,
                                f"weight {weight!r} is used on IPUs {sorted(ipus)}: PopART cannot "
