@@ -204,12 +204,30 @@ def test_layer_normalization_where_the_opset_has_it():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_only_one_ai_onnx_opset_per_builder():
+def test_the_first_ai_onnx_opset_used_is_the_builders_as_in_popart():
+    """PopART's rule: the version Builder(opsets=...) gives, else the first aiOnnx or
+    aiOnnxOpsetN the program uses; any other version after that is refused."""
     b = pk.Builder()
     assert b.aiOnnxOpset10 is b.aiOnnx
-    with pytest.raises(pk.BuilderError, match="Invalid opset 11"):
+    with pytest.raises(pk.BuilderError, match="Invalid opset 'aiOnnxOpset11' selected. Opset "
+                                              "for domain ai.onnx already defined as 10"):
         getattr(b, "aiOnnxOpset11")  # noqa: B009 - the lookup fails
     assert pk.Builder(opsets={"ai.onnx": 11}).aiOnnxOpset11.version == 11
+    fresh = pk.Builder()  # a fresh builder's first op may come from opset 11
+    x = fresh.addInputTensor(pk.TensorInfo("FLOAT", [1, 2, 3, 3]))
+    w = fresh.addInitializedInputTensor(np.ones((2, 1, 2, 2), np.float32))
+    y = fresh.aiOnnxOpset11.convtranspose([x, w])
+    assert fresh.aiOnnx is fresh.aiOnnxOpset11
+    model = onnx.load_from_string(fresh.getModelProto())
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [11]
+    assert fresh.getTensorShape(y) == [1, 1, 4, 4]
+
+
+def test_opsets_for_other_domains_are_accepted_and_unused():
+    b = pk.Builder(opsets={"ai.onnx": 9, "ai.onnx.ml": 1, "ai.graphcore": 1})
+    assert b.aiOnnx.version == 9
+    with pytest.raises(pk.BuilderError, match="'ai.graphcore' \\(1\\)"):
+        pk.Builder(opsets={"ai.onnx": 9, "ai.graphcore": 2})
 
 
 def test_wrong_arguments_fail_like_python_calls():

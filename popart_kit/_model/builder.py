@@ -365,28 +365,54 @@ class Builder:
 
     def __init__(self, opsets: dict[str, int] | None = None) -> None:
         opsets = dict(opsets or {})
-        unknown = set(opsets) - {"ai.onnx", AI_GRAPHCORE}
-        if unknown or opsets.get(AI_GRAPHCORE, 1) != 1:
-            raise BuilderError(f"opsets {opsets}: give 'ai.onnx' (a version) and 'ai.graphcore' "
-                               f"(1).")
-        self._onnx_version = int(opsets.get("ai.onnx", DEFAULT_AI_ONNX_OPSET))
+        bad = {k: v for k, v in opsets.items()
+               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)
+               or v < 1}
+        if bad or opsets.get(AI_GRAPHCORE, 1) != 1:
+            raise BuilderError(f"opsets {opsets}: give domain names and positive opset "
+                               f"versions: 'ai.onnx' (a version) and 'ai.graphcore' (1); other "
+                               f"domains (such as 'ai.onnx.ml') are accepted and unused, as "
+                               f"PopART does.")
+        # PopART's rule: the ai.onnx version is the one given here, else the one of the first
+        # aiOnnx / aiOnnxOpsetN the program uses; another version after that is refused
+        self._chosen_onnx: int | None = None
+        self._ai_onnx: _AiOnnx | None = None
+        if "ai.onnx" in opsets:
+            self._choose_onnx(int(opsets["ai.onnx"]))
         self._graph = helper.make_graph([], "BuilderGraph", [], [])
         self._metadata: dict[str, str] = {}
         self._types: dict[str, onnx.TypeProto] = {}   # every tensor's type, inferred as built
         self._data: dict[str, onnx.TensorProto] = {}  # constants and initializers
         self._scopes: dict[str, list[Any]] = {}
         self._uses_graphcore = False
-        self.aiOnnx = _AiOnnx(self, self._onnx_version)
         self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
+
+    def _choose_onnx(self, version: int) -> _AiOnnx:
+        """The ai.onnx opset ``version`` for this builder's ops, if none is chosen yet."""
+        if self._ai_onnx is None:
+            self._chosen_onnx, self._ai_onnx = version, _AiOnnx(self, version)
+        elif version != self._chosen_onnx:
+            raise BuilderError(f"Invalid opset 'aiOnnxOpset{version}' selected. Opset for "
+                               f"domain ai.onnx already defined as {self._chosen_onnx} (by "
+                               f"Builder(opsets=...) or the first aiOnnx op added). Fix: use "
+                               f"aiOnnxOpset{self._chosen_onnx}, or a new Builder for opset "
+                               f"{version}.")
+        return self._ai_onnx
+
+    @property
+    def _onnx_version(self) -> int:
+        """The ai.onnx opset the model imports: the chosen one, else PopART's default."""
+        return self._chosen_onnx or DEFAULT_AI_ONNX_OPSET
+
+    @property
+    def aiOnnx(self) -> Any:
+        """The ai.onnx operators of the builder's opset (PopART's default, 10, unless another
+        was chosen)."""
+        return self._choose_onnx(self._chosen_onnx or DEFAULT_AI_ONNX_OPSET)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("aiOnnxOpset") and name[11:].isdigit():
-            version = int(name[11:])
-            if version != self._onnx_version:
-                raise BuilderError(f"Invalid opset {version}: this builder uses ai.onnx opset "
-                                   f"{self._onnx_version}; only one version per builder. Fix: "
-                                   f"Builder(opsets={{'ai.onnx': {version}, 'ai.graphcore': 1}}).")
-            return self.aiOnnx
+            return self._choose_onnx(int(name[11:]))
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     # -- ids and nodes ------------------------------------------------------------------------
