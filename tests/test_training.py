@@ -346,7 +346,8 @@ def test_what_training_on_xla_refuses(monkeypatch):
     with pytest.raises(pk.ConfigError, match="over 2 instances .* needs the instances started"):
         pk.TrainingSession(model, distributed, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
     cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
-    with pytest.raises(ValidationError, match="has shape \\[4, 3\\]; PopART: 'Loss tensor must"):
+    with pytest.raises(ValidationError, match="has shape \\[4, 3\\], 12 elements; PopART: "
+                                              "'Loss tensor, '.*', must be a scalar tensor'"):
         pk.TrainingSession(model, cfg, loss=probs, optimizer=pk.SGD(0.1), backend="xla")
     with pytest.raises(TypeError, match="give pk.SGD"):
         pk.TrainingSession(model, cfg, loss=loss, optimizer=0.1, backend="xla")
@@ -432,3 +433,23 @@ def test_the_optimizer_state_comes_back_as_host_arrays(optimizer, keys):
         assert isinstance(state["velocity"]["w1"], np.ndarray)
     if "step" in state:
         assert float(state["step"]) == 1.0
+
+
+def test_a_loss_of_one_element_of_any_rank_trains_as_in_popart():
+    """PopART refuses only a loss of more than one element (Ir::setFinalLoss): a [1, 1, 1, 1]
+    loss trains as its scalar does."""
+    results = []
+    for keep in (False, True):
+        b = pk.Builder()
+        x = b.addInputTensor(pk.TensorInfo("FLOAT", [1, 1, 2, 2]))
+        w = b.addInitializedInputTensor(np.full((1, 1, 2, 2), 0.5, np.float32))
+        y = b.aiOnnx.mul([x, w])
+        loss = (b.aiOnnx.reducesum([y], keepdims=1) if keep
+                else b.aiGraphcore.l1loss([y], 1.0, reduction=pk.ReductionType.Sum))
+        cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+        sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss, optimizer=pk.SGD(0.1),
+                                  backend="xla")
+        assert sess.io.anchor_shape(loss) == ((1, 1, 1, 1) if keep else ())
+        sess.run({x: np.ones((1, 1, 2, 2), np.float32)})
+        results.append(next(iter(sess.weights().values())))
+    np.testing.assert_allclose(results[0], results[1])  # sum(|x*w|) = sum(x*w) here

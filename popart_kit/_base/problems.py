@@ -8,11 +8,13 @@ warnings become :class:`PopartKitWarning`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import pydantic
@@ -22,7 +24,7 @@ from pydantic import ValidationError
 from ..errors import Invalid, InvalidConfig, InvalidData, InvalidModel
 
 __all__ = ["Problem", "PopartKitWarning", "raise_errors", "emit_warnings", "warn",
-           "user_stacklevel"]
+           "popart_rules", "under_popart_rules", "user_stacklevel"]
 
 
 class PopartKitWarning(UserWarning):
@@ -86,12 +88,41 @@ def _kind(title: str) -> type[Invalid]:
     return next((k for prefix, k in _KIND_OF_TITLE if title.startswith(prefix)), InvalidConfig)
 
 
+_POPART_RULES: contextvars.ContextVar[bool] = contextvars.ContextVar("popart_rules",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def popart_rules() -> Iterator[None]:
+    """Within this block only PopART's refusals are errors: a problem of a kit rule that
+    refuses what PopART runs (``rule_docs.POPART_RUNS``) is a warning (what
+    ``popart_kit.popart`` gives a PopART program)."""
+    token = _POPART_RULES.set(True)
+    try:
+        yield
+    finally:
+        _POPART_RULES.reset(token)
+
+
+def under_popart_rules() -> bool:
+    """Whether the caller runs within :func:`popart_rules`."""
+    return _POPART_RULES.get()
+
+
 def raise_errors(title: str, problems: Iterable[Problem],
                  also: ValidationError | None = None,
                  error: type[Invalid] | None = None) -> None:
     """Raise one :class:`~popart_kit.errors.Invalid` (of class ``error``, by default chosen from
     ``title``) listing every error in ``problems`` after those of ``also`` (an error pydantic
-    raised); with no error in ``problems``, do nothing."""
+    raised); with no error in ``problems``, do nothing. Under :func:`popart_rules` the errors
+    of rules PopART does not have are warned instead."""
+    problems = list(problems)
+    if _POPART_RULES.get():
+        from .rule_docs import POPART_RUNS
+
+        relaxed = [p for p in problems if p.severity == "error" and p.rule in POPART_RUNS]
+        emit_warnings([replace(p, severity="warning") for p in relaxed])
+        problems = [p for p in problems if p not in relaxed]
     entries = [("popart_kit." + p.rule, p.parts, f"{p.text()} (see {p.docs})", p.value)
                for p in problems if p.severity == "error"]
     if entries and also is not None:

@@ -20,6 +20,7 @@ from onnx import numpy_helper
 
 from .._base import names as _names
 from .._base.atomic import write_atomic
+from .._base.problems import popart_rules
 from .._config.session_config import SessionConfig
 from .._model.layout import PipelineLayout, load_model
 from .._runtime.session import InferenceSession as _KitInference
@@ -157,13 +158,16 @@ class _Session:
         self.config = _config(mode, opts, dataFlow, deviceInfo, self.model)
         anchors = {name: art.kit for name, art in dataFlow.returnTypes().items()}
         try:
-            if mode == "training":
-                self._kit = _KitTraining(self.model, self.config, loss=loss,
-                                         optimizer=optimizer.kit, anchors=anchors,
-                                         backend="xla")
-            else:
-                self._kit = _KitInference(self.model, self.config, anchors=anchors,
-                                          backend="xla")
+            # PopART's refusals only: the kit's stricter rules warn; and a run whose loss or
+            # update is not finite completes, as on PopART
+            with popart_rules():
+                if mode == "training":
+                    self._kit = _KitTraining(self.model, self.config, loss=loss,
+                                             optimizer=optimizer.kit, anchors=anchors,
+                                             backend="xla", check_finite=False)
+                else:
+                    self._kit = _KitInference(self.model, self.config, anchors=anchors,
+                                              backend="xla")
         except ValueError as err:
             raise popart_exception(str(err)) from None
         self._types = _tensor_types(self.model)

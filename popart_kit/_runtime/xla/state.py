@@ -86,7 +86,8 @@ def finite_flags(losses_finite: Any, weights: Mapping[str, Any], trained: Sequen
     """[updates + trained] booleans (inside a program): whether each update's losses were
     finite, then whether each trained weight ends finite (a non-finite gradient or update
     leaves its weight non-finite for good: no optimizer makes NaN or Inf finite again)."""
-    ends = jnp.stack([jnp.isfinite(weights[n]).all() for n in trained])
+    ends = jnp.stack([jnp.isfinite(weights[n]).all() for n in trained]) if trained else \
+        jnp.zeros((0,), bool)
     return jnp.concatenate([jnp.asarray(losses_finite, bool), ends])
 
 

@@ -70,11 +70,12 @@ class XlaTrainingBackend(XlaBackend):
         shape = self._shapes(self.io.inputs, [loss])[loss].shape
         self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)]
         problems = []
-        if shape:
+        if int(np.prod(shape, dtype=np.int64)) > 1:  # PopART: one element, of any rank
             problems.append(Problem(
-                ("loss",), f"loss {loss!r} has shape {list(shape)}; PopART: 'Loss tensor must "
-                           f"be a scalar tensor'.", "reduce it with Mean or Sum (not "
-                                                    "NoReduction).", "K-loss-scalar"))
+                ("loss",), f"loss {loss!r} has shape {list(shape)}, "
+                           f"{int(np.prod(shape, dtype=np.int64))} elements; PopART: 'Loss "
+                           f"tensor, '{loss}', must be a scalar tensor' (one element).",
+                "reduce it with Mean or Sum (not NoReduction).", "K-loss-scalar"))
         if not self.trained:
             problems.append(Problem(
                 ("loss",), f"loss {loss!r} depends on none of the model's floating-point "

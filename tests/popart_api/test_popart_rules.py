@@ -1,0 +1,99 @@
+"""A PopART program meets PopART's refusals and no others: what PopART runs, the drop-in runs
+(the kit's stricter checks only warn there), and what it refuses, it refuses in its words."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import popart_kit as pk
+import popart_kit.popart as popart
+
+
+def _cpu():
+    return popart.DeviceManager().createCpuDevice()
+
+
+def _train(builder, loss, anchors, optimizer=None):
+    flow = popart.DataFlow(1, {a: popart.AnchorReturnType("All") for a in anchors})
+    session = popart.TrainingSession(fnModel=builder.getModelProto(), dataFlow=flow, loss=loss,
+                                     optimizer=optimizer or popart.ConstSGD(0.1),
+                                     deviceInfo=_cpu())
+    session.prepareDevice()
+    return session, session.initAnchorArrays()
+
+
+def test_a_loss_on_no_weight_trains_with_a_warning_and_gives_input_gradients():
+    """PopART trains a loss that depends on inputs only (their gradients anchored): the kit's
+    K-no-weights is a warning here, and an error for a pk.TrainingSession."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([x, x])], 0.5,
+                                reduction=popart.ReductionType.Sum)
+    grad = popart.reservedGradientPrefix() + x
+    with pytest.warns(pk.PopartKitWarning, match="K-no-weights"):
+        session, anchors = _train(b, loss, [loss, grad])
+    data = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], np.float32)
+    session.run(popart.PyStepIO({x: data}, anchors))
+    np.testing.assert_allclose(anchors[loss], 0.5 * np.sum(data * data), rtol=1e-6)
+    np.testing.assert_allclose(anchors[grad], 0.5 * 2 * data, rtol=1e-6)  # d|x*x|/dx
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    with pytest.raises(pk.InvalidModel, match="K-no-weights"):
+        pk.TrainingSession(b.getModelProto(), cfg, loss=loss, optimizer=pk.SGD(0.1),
+                           backend="xla")
+
+
+def test_a_run_whose_loss_is_not_finite_completes_as_in_popart():
+    """PopART completes the run (its weights take the NaN); a pk session refuses and rolls
+    back (K-nonfinite-update)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([x, w])], 1.0)
+    session, anchors = _train(b, loss, [loss])
+    session.run(popart.PyStepIO({x: np.array([np.nan, 1.0], np.float32)}, anchors))
+    assert np.isnan(anchors[loss])
+    weights = {w: np.zeros(2, np.float32)}
+    session.weightsToHost()
+    session.readWeights(popart.PyWeightsIO(weights))
+    assert np.isnan(weights[w][0]) and weights[w][1] != 1.0  # the update was applied
+
+
+def test_a_model_sharded_without_pipelining_may_send_data_back_to_an_earlier_ipu():
+    """Without pipelining PopART applies no stage-order rule: ops on IPU 1 feeding ops on
+    IPU 0 run (on the xla backend, as one program)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    with b.virtualGraph(1):
+        y = b.aiOnnx.relu([x])
+    with b.virtualGraph(0):
+        z = b.aiOnnx.neg([y])
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    flow = popart.DataFlow(1, {z: popart.AnchorReturnType("All")})
+    session = popart.InferenceSession(fnModel=b.getModelProto(), dataFlow=flow,
+                                      userOptions=opts,
+                                      deviceInfo=popart.DeviceManager().createIpuModelDevice(
+                                          {"numIPUs": 2}))
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    session.run(popart.PyStepIO({x: np.array([1.0, -1.0], np.float32)}, anchors))
+    np.testing.assert_array_equal(anchors[z], [-1.0, 0.0])
+
+
+def test_a_loss_of_shape_1_1_trains_and_a_loss_of_two_elements_is_refused_in_popart_words():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 2]))
+    w = b.addInitializedInputTensor(np.ones((1, 2), np.float32))
+    y = b.aiOnnx.mul([x, w])
+    one = b.aiOnnx.reducesum([y], axes=[1], keepdims=1)  # [1, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pk.PopartKitWarning)  # nothing to warn about
+        session, anchors = _train(b, one, [one])
+    session.run(popart.PyStepIO({x: np.ones((1, 2), np.float32)}, anchors))
+    assert anchors[one].shape == (1, 1)
+    with pytest.raises(popart.popart_exception, match="Loss tensor, '.*', must be a scalar "
+                                                      "tensor"):
+        _train(b, y, [y])
