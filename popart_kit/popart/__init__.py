@@ -40,6 +40,7 @@ from ._core import (
     poplar_unrecoverable_runtime_error,
 )
 from ._devices import DeviceInfo, DeviceManager
+from ._operators import OperatorIdentifier, getSupportedOperations, getUnsupportedOperations
 from ._optimizers import SGD, Adam, ConstSGD, Optimizer, OptimizerValue
 from ._options import STRUCTS, SessionOptions
 
@@ -90,5 +91,6 @@ __all__ = [
     "popart_exception", "poplar_exception", "poplar_runtime_error",
     "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
-    "getLogger", "versionString", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
+    "getLogger", "versionString", "OperatorIdentifier", "getSupportedOperations",
+    "getUnsupportedOperations", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
 ]

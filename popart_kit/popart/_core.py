@@ -247,27 +247,107 @@ class InputShapeInfo:
         return id in self._infos
 
 
+#: PopART's graph patterns (willow/src/patterns/*.cpp, each ``PatternCreator<...>(name,
+#: enabled, mandatory)``): name -> (enabled by default, mandatory).
+PATTERNS: dict[str, tuple[bool, bool]] = {
+    "AllReduceToIdentity": (True, True), "Atan2Arg0GradOp": (True, True),
+    "Atan2Arg1GradOp": (True, True), "ConvDataGrad": (True, True),
+    "ConvFlipWeightsDoubleFlip": (True, False), "ConvFlipWeightsGradOp": (True, True),
+    "ConvTranspose": (True, True), "CosGradOp": (True, True), "CoshOp": (True, True),
+    "DecomposeBinaryConstScalar": (True, False), "DivArg0GradOp": (True, True),
+    "DivArg1GradOp": (True, True), "AbsGradOp": (True, True), "SinGradOp": (True, True),
+    "ExpandCast": (True, False), "ExpGradOp": (True, True), "Expm1GradOp": (True, True),
+    "FmodArg0GradOp": (True, True), "InitAccumulate": (True, False),
+    "LambSerialisedWeight": (True, False), "RandomNormalLikeOpPattern": (True, True),
+    "RandomUniformLikeOpPattern": (True, True), "ZerosLikeOpPattern": (True, True),
+    "Log1pGradOp": (True, True), "LogGradOp": (True, True), "LoopScanOut": (True, True),
+    "LSTMOp": (False, False), "MatMulOp": (True, True), "MatMulLhsGradOp": (True, True),
+    "MatMulRhsGradOp": (True, True), "MulArgGradOp": (True, True),
+    "NegativeOneScale": (True, False), "NlllWithSoftmaxGradDirect": (True, False),
+    "OpToIdentity": (True, False), "PackedDataBlock": (True, False), "PadSum": (True, False),
+    "PostNRepl": (True, False), "PowArg0GradOp": (True, True), "PowArg1GradOp": (True, True),
+    "PreUniRepl": (True, False), "ReciprocalGradOp": (True, True),
+    "RemoveUnnecessaryLossGradCast": (True, False), "ScanToLoop": (True, True),
+    "Slice2SliceSubsample": (False, False), "SoftmaxGradDirect": (True, False),
+    "SplitGather": (False, False), "SplitGradOpToConcat": (True, False),
+    "SplitOp": (True, False), "SqrtGradOp": (True, True), "SubtractArg1GradOp": (True, True),
+    "SumToAdd": (True, False), "TiedGather": (False, False),
+    "TiedGatherAccumulate": (False, False),
+    "TransposeToIdentityOrReshapePattern": (True, False), "UpsampleToResize": (True, False),
+}
+#: The patterns PopART's Python Patterns has a property for (popart.cpp), by property name.
+_PROPERTIES = {"PreUniRepl": "PreUniRepl", "PostNRepl": "PostNRepl",
+               "SoftMaxGradDirect": "SoftmaxGradDirect",
+               "NlllWithSoftMaxGradDirect": "NlllWithSoftmaxGradDirect",
+               "OpToIdentity": "OpToIdentity", "SubtractArg1GradOp": "SubtractArg1GradOp",
+               "MulArgGradOp": "MulArgGradOp", "MatMulOp": "MatMulOp",
+               "MatMulLhsGradOp": "MatMulLhsGradOp", "MatMulRhsGradOp": "MatMulRhsGradOp"}
+#: Not graph patterns: switches PopART's Patterns keeps beside them.
+_SWITCHES = ("InPlace", "UpdateInplacePrioritiesForIpu")
+
+
 class Patterns:
-    """popart.Patterns: which graph transformations PopART applies. Accepted and recorded: the
-    xla runtime lowers the ONNX graph directly, so patterns (inplacing, op fusion, recompute
-    rewrites) cannot change what is computed here; numbers are the same as with PopART's
+    """popart.Patterns: which graph transformations PopART applies, as PopART keeps them
+    (willow/src/patterns/patterns.cpp): levels, names, mandatory patterns and the checks on
+    them. The xla runtime lowers the ONNX graph directly, so patterns (inplacing, op fusion,
+    gradient rewrites) cannot change what is computed here; numbers are those of PopART's
     default patterns."""
 
-    def __init__(self, level: Any = None, *, patterns: Sequence[str] = ()) -> None:
+    def __init__(self, level: Any = None, *, patterns: Sequence[str] | None = None) -> None:
         if isinstance(level, list | tuple):
             patterns, level = level, None
-        self.level = level if level is not None else ENUMS["PatternsLevel"].Default
-        self._enabled: dict[str, bool] = {p: True for p in patterns}
+        levels = ENUMS["PatternsLevel"]
+        self.level = level if level is not None else levels.Default
         self.runtimeAsserts = True
-        self.inplaceEnabled = True
         self.updateInplacePrioritiesForIpuEnabled = False
+        if patterns is not None:  # Patterns(strings): only these
+            self._settings: dict[str, bool] = {}
+            self.inplaceEnabled = False
+            for name in patterns:
+                if name == "InPlace":
+                    self.inplaceEnabled = True
+                elif name == "UpdateInplacePrioritiesForIpu":
+                    self.updateInplacePrioritiesForIpuEnabled = True
+                else:
+                    self._known(name)
+                    self._settings[name] = True
+            return
+        name = getattr(self.level, "name", str(self.level))
+        if name == "NoPatterns":
+            self._settings, self.inplaceEnabled = {}, False
+        elif name == "Minimal":
+            self._settings = {p: mandatory for p, (_, mandatory) in PATTERNS.items()}
+            self.inplaceEnabled = False
+        else:  # Default, All
+            self._settings = {p: on or name == "All" for p, (on, _) in PATTERNS.items()}
+            self.inplaceEnabled = True
+
+    @staticmethod
+    def _known(name: str) -> None:
+        if name not in PATTERNS:
+            raise popart_exception(f"Unknown pattern {name}, did you mean InPlace?"
+                                   if name == "Inplace" else f"Unknown pattern {name}")
 
     def enablePattern(self, name: str, enabled: bool) -> Patterns:
-        self._enabled[name] = bool(enabled)
+        """PopART's Patterns::enablePattern: a mandatory pattern cannot be disabled."""
+        if name == "InPlace":
+            return self.enableInPlace(enabled)
+        if name == "UpdateInplacePrioritiesForIpu":
+            self.updateInplacePrioritiesForIpuEnabled = bool(enabled)
+            return self
+        self._known(name)
+        if not enabled and PATTERNS[name][1]:
+            raise popart_exception(f"Pattern '{name}' is mandatory and cannot be disabled")
+        self._settings[name] = bool(enabled)
         return self
 
     def isPatternEnabled(self, name: str) -> bool:
-        return self._enabled.get(name, self.level is not ENUMS["PatternsLevel"].NoPatterns)
+        if name == "InPlace":
+            return self.inplaceEnabled
+        if name == "UpdateInplacePrioritiesForIpu":
+            return self.updateInplacePrioritiesForIpuEnabled
+        self._known(name)
+        return self._settings.get(name, False)
 
     def enableRuntimeAsserts(self, enabled: bool) -> Patterns:
         self.runtimeAsserts = bool(enabled)
@@ -277,13 +357,40 @@ class Patterns:
         self.inplaceEnabled = bool(enabled)
         return self
 
+    def check(self) -> None:
+        """PopART's check when a session applies the patterns (with runtime asserts on):
+        every mandatory pattern is enabled."""
+        if not self.runtimeAsserts:
+            return
+        off = [p for p, (_, mandatory) in PATTERNS.items()
+               if mandatory and not self._settings.get(p, False)]
+        if off:
+            raise popart_exception(f"Pattern '{off[0]}' must be enabled")
+
+    def __repr__(self) -> str:
+        on = [p for p in PATTERNS if self._settings.get(p, False)]
+        on += ["InPlace"] if self.inplaceEnabled else []
+        return f"Patterns({', '.join(on)})"
+
     def __getattr__(self, name: str) -> Any:
+        if name in _PROPERTIES:
+            return self.isPatternEnabled(_PROPERTIES[name])
+        if name == "InPlace":
+            return self.inplaceEnabled
         if name.startswith("enable") and name[6:7].isupper():  # enableMatMulOp(...) etc.
             pattern = name[6:]
             return lambda enabled: self.enablePattern(pattern, enabled)
         if name.startswith("is") and name.endswith("Enabled"):
             return lambda: self.isPatternEnabled(name[2:-7])
         raise AttributeError(f"'popart.Patterns' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PROPERTIES:
+            self.enablePattern(_PROPERTIES[name], value)
+        elif name == "InPlace":
+            self.enableInPlace(value)
+        else:
+            object.__setattr__(self, name, value)
 
 
 # -- host data --------------------------------------------------------------------------------

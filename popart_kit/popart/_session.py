@@ -30,6 +30,7 @@ from ._core import (
     RESERVED_PREFIXES,
     AnchorReturnType,
     DataFlow,
+    Patterns,
     PyStepIO,
     PyStepIOCallback,
     PyWeightsIO,
@@ -403,6 +404,18 @@ class _Session:
         return self._absent("getSerializedGraph")
 
 
+def _patterns(patterns: Any) -> Patterns:
+    """The session's patterns (PopART's default ones when None), checked as PopART checks
+    them when it applies them: every mandatory pattern enabled, unless runtime asserts are
+    off."""
+    if patterns is None:
+        return Patterns()
+    if not isinstance(patterns, Patterns):
+        raise TypeError(f"patterns={patterns!r}: give a popart.Patterns.")
+    patterns.check()
+    return patterns
+
+
 class InferenceSession(_Session):
     """popart.InferenceSession(fnModel, dataFlow, deviceInfo, inputShapeInfo=InputShapeInfo(),
     patterns=None, userOptions=SessionOptions(), name="inference")."""
@@ -410,7 +423,7 @@ class InferenceSession(_Session):
     def __init__(self, fnModel: Any, dataFlow: DataFlow, deviceInfo: DeviceInfo,
                  inputShapeInfo: Any = None, patterns: Any = None,
                  userOptions: SessionOptions | None = None, name: str = "inference") -> None:
-        self.name, self.patterns = name, patterns
+        self.name, self.patterns = name, _patterns(patterns)
         super().__init__("inference", fnModel, dataFlow, deviceInfo, userOptions)
 
 
@@ -427,7 +440,7 @@ class TrainingSession(_Session):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer={optimizer!r}: give popart.SGD, popart.ConstSGD or "
                             f"popart.Adam.")
-        self.name, self.patterns, self.optimizer = name, patterns, optimizer
+        self.name, self.patterns, self.optimizer = name, _patterns(patterns), optimizer
         super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer)
 
     def updateOptimizerFromHost(self, optimizer: Optimizer) -> None:

@@ -97,3 +97,58 @@ def test_a_loss_of_shape_1_1_trains_and_a_loss_of_two_elements_is_refused_in_pop
     with pytest.raises(popart.popart_exception, match="Loss tensor, '.*', must be a scalar "
                                                       "tensor"):
         _train(b, y, [y])
+
+
+def test_patterns_levels_and_names_are_popart_s():
+    default, none = popart.Patterns(), popart.Patterns(popart.PatternsLevel.NoPatterns)
+    assert default.PreUniRepl and default.PostNRepl and default.SoftMaxGradDirect
+    assert default.InPlace and not default.isPatternEnabled("TiedGather")  # off by default
+    assert not any([none.PreUniRepl, none.PostNRepl, none.MatMulOp, none.InPlace])
+    minimal = popart.Patterns(popart.PatternsLevel.Minimal)
+    assert minimal.MatMulOp and not minimal.PreUniRepl and not minimal.InPlace  # mandatory only
+    assert popart.Patterns(popart.PatternsLevel.All).isPatternEnabled("TiedGather")
+    listed = popart.Patterns(["PostNRepl", "InPlace"])
+    assert listed.PostNRepl and listed.InPlace and not listed.PreUniRepl
+    default.PostNRepl = False
+    assert not default.PostNRepl and not default.isPatternEnabled("PostNRepl")
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: popart.Patterns(["NoSuchPattern"]), "Unknown pattern NoSuchPattern"),
+    (lambda: popart.Patterns(["Inplace"]), "Unknown pattern Inplace, did you mean InPlace?"),
+    (lambda: popart.Patterns().enablePattern("MatMulOp", False),
+     "Pattern 'MatMulOp' is mandatory and cannot be disabled"),
+])
+def test_patterns_refuse_what_popart_refuses(make, words):
+    with pytest.raises(popart.popart_exception, match=words):
+        make()
+
+
+def test_a_session_needs_the_mandatory_patterns_unless_runtime_asserts_are_off():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiOnnx.relu([x])
+    flow = popart.DataFlow(1, {y: popart.AnchorReturnType("All")})
+
+    def session(patterns):
+        return popart.InferenceSession(fnModel=b.getModelProto(), dataFlow=flow,
+                                       deviceInfo=_cpu(), patterns=patterns)
+
+    with pytest.raises(popart.popart_exception, match="Pattern '.*' must be enabled"):
+        session(popart.Patterns(popart.PatternsLevel.NoPatterns))
+    relaxed = popart.Patterns(popart.PatternsLevel.NoPatterns)
+    relaxed.enableRuntimeAsserts(False)
+    session(relaxed).prepareDevice()
+
+
+def test_supported_and_unsupported_operations_are_the_xla_backend_s_and_disjoint():
+    supported = popart.getSupportedOperations(False)
+    names = {op.type for op in supported}
+    assert {"Constant", "Shape", "ConstantOfShape", "Add", "Conv"} <= names
+    assert all(op.domain == "ai.onnx" for op in supported)
+    unsupported = popart.getUnsupportedOperations(10)
+    assert unsupported and not {(o.type, o.version) for o in unsupported} & {
+        (o.type, o.version) for o in supported}
+    internal = {(op.domain, op.type) for op in popart.getSupportedOperations(True)}
+    assert {("ai.graphcore", "Atan2"), ("ai.graphcore", "Detach")} <= internal
+    assert ("ai.graphcore", "Atan2") not in {(o.domain, o.type) for o in supported}
