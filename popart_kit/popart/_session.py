@@ -174,6 +174,8 @@ class _Session:
         self._types = _tensor_types(self.model)
         self._pending: dict[str, np.ndarray] = {}
         self._seed: int | None = None
+        self._prepared = False  # prepareDevice called (PopART's Devicex::prepareHasBeenCalled)
+        self._weights_sent = False  # weightsFromHost called
 
     # -- numbers ----------------------------------------------------------------------------
 
@@ -204,6 +206,14 @@ class _Session:
             self._kit.prepare()
         except ValueError as err:
             raise popart_exception(str(err)) from None
+        self._prepared = True
+
+    def _require_prepared(self, what: str) -> None:
+        """PopART's Devicex refuses these before prepareDevice (willow/src/popx/devicex.cpp,
+        willow/src/session.cpp)."""
+        if not self._prepared:
+            raise popart_exception(f"Devicex::prepare() must be called before {what} is "
+                                   f"called.")
 
     def loadEngineAndConnectStreams(self) -> None:
         """Nothing to load on the xla runtime."""
@@ -211,6 +221,7 @@ class _Session:
     def setRandomSeed(self, seedValue: int) -> None:
         if not isinstance(seedValue, int) or not 0 <= seedValue < 2**64:
             raise TypeError(f"setRandomSeed({seedValue!r}): the seed is a uint64.")
+        self._require_prepared("Devicex::setRandomSeedFromHost(uint64_t)")
         self._seed = seedValue
         if hasattr(self._kit, "set_random_seed"):
             self._kit.set_random_seed(seedValue)
@@ -226,6 +237,14 @@ class _Session:
     # -- a run ----------------------------------------------------------------------------------
 
     def run(self, stepio: PyStepIO | PyStepIOCallback, debugName: str = "") -> None:
+        # PopART's Session::run (willow/src/session.cpp): a training session with weights
+        # runs only after weightsFromHost; any session only after prepareDevice
+        if (isinstance(self, TrainingSession) and not self._weights_sent
+                and len(self.model.graph.initializer)):
+            raise popart_exception("Must call weightsFromHost before run as the model has "
+                                   "initializers and the session has been created in "
+                                   "training mode")
+        self._require_prepared("Devicex::run(const IStepIO &)")
         if isinstance(stepio, PyStepIOCallback):
             inputs = self._pull(stepio)
         elif isinstance(stepio, PyStepIO):
@@ -314,6 +333,7 @@ class _Session:
 
     def weightsFromHost(self) -> None:
         """Copy the host weights (writeWeights, resetHostWeights) to the device."""
+        self._weights_sent = True
         if self._pending:
             current = self._weights()
             update = {k: np.asarray(v, current[k].dtype).reshape(current[k].shape)
@@ -326,8 +346,14 @@ class _Session:
 
     def weightsToHost(self) -> None:
         """The device's weights are read fresh by readWeights and modelToHost."""
+        self._require_prepared("Devicex::weightsToHost(const std::map<TensorId, "
+                               "MutableVoidData> &)")
 
     def writeWeights(self, weightsIo: PyWeightsIO) -> None:
+        if isinstance(self, InferenceSession) and self.options.constantWeights:
+            raise popart_exception("Cannot call writeWeights when constantWeights is set. Set "
+                                   "`constantWeights` to False in the `SessionOption`s when "
+                                   "initialising the session to enable this behaviour.")
         current = self._weights()
         for name, array in weightsIo.weights.items():
             if name not in current:
@@ -366,6 +392,7 @@ class _Session:
     def modelToHost(self, fn: str) -> None:
         """Write the model with the device's weights (and optimizer state under PopART's
         reserved names) to ``fn``."""
+        self.weightsToHost()
         proto = self._kit.model_proto()
         for name, array in self._optimizer_tensors().items():
             proto.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))

@@ -187,6 +187,7 @@ def test_graphcore_ops_run_on_xla():
     }
     session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, list(outs.values())),
                                       popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
     anchors = session.initAnchorArrays()
     xs = np.array([[-1.5, -0.5, 0.5, 2.5], [1, 2, 3, 4]], np.float32)
     session.run(popart.PyStepIO({x: xs}, anchors))

@@ -22,6 +22,7 @@ def _train(builder, loss, anchors, optimizer=None):
                                      optimizer=optimizer or popart.ConstSGD(0.1),
                                      deviceInfo=_cpu())
     session.prepareDevice()
+    session.weightsFromHost()
     return session, session.initAnchorArrays()
 
 
@@ -152,3 +153,42 @@ def test_supported_and_unsupported_operations_are_the_xla_backend_s_and_disjoint
     internal = {(op.domain, op.type) for op in popart.getSupportedOperations(True)}
     assert {("ai.graphcore", "Atan2"), ("ai.graphcore", "Detach")} <= internal
     assert ("ai.graphcore", "Atan2") not in {(o.domain, o.type) for o in supported}
+
+
+def test_the_order_popart_requires_prepare_weights_from_host_run():
+    """PopART's Session and Devicex: a training session with weights runs only after
+    weightsFromHost, any session only after prepareDevice; weights go to the host only after
+    prepareDevice; an inference session with constant weights (the default) takes none."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    y = b.aiOnnx.mul([x, w])
+    loss = b.aiGraphcore.l1loss([y], 1.0)
+    flow = popart.DataFlow(1, {loss: popart.AnchorReturnType("All")})
+    session = popart.TrainingSession(fnModel=b.getModelProto(), dataFlow=flow, loss=loss,
+                                     optimizer=popart.ConstSGD(0.1), deviceInfo=_cpu())
+    anchors = session.initAnchorArrays()
+    step = popart.PyStepIO({x: np.ones(2, np.float32)}, anchors)
+    with pytest.raises(popart.popart_exception, match="Must call weightsFromHost before run"):
+        session.run(step)
+    with pytest.raises(popart.popart_exception, match="must be called before "
+                                                      "Devicex::weightsToHost"):
+        session.modelToHost("unused.onnx")
+    with pytest.raises(popart.popart_exception, match="must be called before "
+                                                      "Devicex::setRandomSeedFromHost"):
+        session.setRandomSeed(1)
+    session.prepareDevice()
+    session.weightsFromHost()
+    session.run(step)
+    inference = popart.InferenceSession(fnModel=b.getModelProto(), dataFlow=popart.DataFlow(
+        1, {y: popart.AnchorReturnType("All")}), deviceInfo=_cpu())
+    inference.prepareDevice()
+    with pytest.raises(popart.popart_exception, match="Cannot call writeWeights when "
+                                                      "constantWeights is set"):
+        inference.writeWeights(popart.PyWeightsIO({w: np.zeros(2, np.float32)}))
+    opts = popart.SessionOptions()
+    opts.constantWeights = False
+    writable = popart.InferenceSession(fnModel=b.getModelProto(), dataFlow=popart.DataFlow(
+        1, {y: popart.AnchorReturnType("All")}), deviceInfo=_cpu(), userOptions=opts)
+    writable.prepareDevice()
+    writable.writeWeights(popart.PyWeightsIO({w: np.zeros(2, np.float32)}))

@@ -182,6 +182,10 @@ def test_stepio_errors_are_popart_errors():
     session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(2, [y]),
                                       popart.DeviceManager().createCpuDevice())
     anchors = session.initAnchorArrays()
+    with pytest.raises(popart.popart_exception, match="Devicex::prepare\\(\\) must be called "
+                                                      "before Devicex::run"):
+        session.run(popart.PyStepIO({x: np.zeros(4, np.float32)}, anchors))
+    session.prepareDevice()
     with pytest.raises(popart.popart_exception,
                        match="Unexpected number of input elements for Tensor x. Expected 4, "
                              "but received 2"):
