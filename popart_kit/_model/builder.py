@@ -24,6 +24,7 @@ from onnx import helper, numpy_helper
 
 from .._base.atomic import write_atomic
 from ..errors import ModelError, ModelTypeError, short
+from .builder_settings import NodeSettings, scope_attributes
 from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 from .onnx_ops import OpSignature, signatures
@@ -360,8 +361,10 @@ class _AiGraphcore:
                                  domain=AI_GRAPHCORE, out_type=out_type)[0]
 
 
-class Builder:
-    """An ONNX model builder with popart.Builder's methods (see the module docstring)."""
+class Builder(NodeSettings):
+    """An ONNX model builder with popart.Builder's methods (see the module docstring); the
+    per-node settings (recomputation, execution phases, partials ...) and the typed attribute
+    accessors are :class:`~popart_kit._model.builder_settings.NodeSettings`."""
 
     def __init__(self, opsets: dict[str, int] | None = None) -> None:
         opsets = dict(opsets or {})
@@ -437,9 +440,6 @@ class Builder:
         if unknown:
             raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
                                f"of this builder.")
-        for attribute in (PIPELINE_STAGE, VIRTUAL_GRAPH):
-            if self._scopes.get(attribute):
-                attrs[attribute] = self._scopes[attribute][-1]
         ids = []
         for i in range(outputs):
             ids.append(self._next_id(f"{op_type}:{i}"))
@@ -449,6 +449,9 @@ class Builder:
                      if name or self._scopes.get("name") else None)
         node = helper.make_node(op_type, inputs, ids, name=node_name, domain=domain or None,
                                 **attrs)
+        # then the open scopes' attributes (__pipeline_stage, __ipu_number, __execution_phase
+        # ...), by name, as PopART's BuilderImpl::finalizeOp adds them after the op's own
+        node.attribute.extend(scope_attributes(self._scopes))
         try:
             types = ({ids[0]: out_type} if out_type is not None else
                      self._custom_types(ids[0], custom_type) if custom_type else
@@ -615,7 +618,7 @@ class Builder:
         for attr in self._node(nodeOutputNames).attribute:
             if attr.name == attributeName:
                 if attr.type != onnx.AttributeProto.INT:
-                    raise BuilderError(f"Attribute {attributeName} is not an int64.")
+                    raise BuilderError(f"Attribute {attributeName} is not an integer.")
                 return int(attr.i)
         raise BuilderError(f"Node does not have an attribute {attributeName}.")
 

@@ -22,6 +22,7 @@ its op type and its input shapes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,18 @@ from ..._base.problems import raise_errors
 from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
 from ...errors import InvalidModel, ModelError, clip
-from .ops import GRAPHCORE, OPS, UNKNOWN, Ctx, NotSupported, Op, np_dtype, read_attributes
+from .ops import (
+    GRAPHCORE,
+    OPS,
+    UNKNOWN,
+    Ctx,
+    NotSupported,
+    Op,
+    node_partials,
+    np_dtype,
+    partials,
+    read_attributes,
+)
 
 __all__ = ["LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
 
@@ -79,6 +91,7 @@ class _Node:
     inputs: tuple[str, ...]     # "" for an omitted optional input
     outputs: tuple[str, ...]    # "" for an output not asked for
     static: bool                # runs on numpy values while tracing (shape-derived)
+    partials: str | None = None  # the node's own partials type (PopART's setPartialsType)
 
 
 class LoweredGraph:
@@ -177,14 +190,15 @@ class LoweredGraph:
                     env[name] = shifted(name, jnp.asarray(inputs[name]))
             args = [env[name] if name else None for name in node.inputs]
             try:
-                if node.static:
-                    with jax.ensure_compile_time_eval():
-                        results = tuple(np.asarray(r)
-                                        for r in node.op(node.ctx.with_values(args), *args))
-                else:
-                    results = node.op(node.ctx.with_values(args), *args)
-                    if fresh and any(n in fresh for n in node.inputs):
-                        results = _fresh_gradient(node, args, fresh, results)
+                with _own_partials(node):
+                    if node.static:
+                        with jax.ensure_compile_time_eval():
+                            results = tuple(np.asarray(r) for r
+                                            in node.op(node.ctx.with_values(args), *args))
+                    else:
+                        results = node.op(node.ctx.with_values(args), *args)
+                        if fresh and any(n in fresh for n in node.inputs):
+                            results = _fresh_gradient(node, args, fresh, results)
             except ModelError:
                 raise
             except NotSupported as err:
@@ -211,6 +225,12 @@ class LoweredGraph:
                                 if name in self.weights else inputs[name])
             out[name] = jnp.asarray(value)
         return out
+
+
+def _own_partials(node: _Node) -> contextlib.AbstractContextManager[None]:
+    """A node's own partials type (PopART's Builder.setPartialsType) while it is traced: it
+    overrides the session's ``precision.partials_type``, as in PopART."""
+    return partials(node.partials) if node.partials else contextlib.nullcontext()
 
 
 def _fresh_gradient(node: _Node, args: list[Any], fresh: Mapping[str, Any],
@@ -313,6 +333,11 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
             domain = node.domain or "ai.onnx"
             problems.append(f"{where}: operator {domain}.{node.op_type} is not supported")
             continue
+        try:
+            own_partials = node_partials(node)
+        except NotSupported as err:
+            problems.append(f"{where}: {err}")
+            continue
         flags = [bool(i) and i in static for i in node.input]
         ctx = Ctx(label, node.op_type, opset, read_attributes(node), node.input, node.output,
                   flags)
@@ -346,7 +371,8 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
                 problems.append(f"{where}: cannot compute it from its constant inputs: "
                                 f"{type(err).__name__}: {err}")
                 continue
-        nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static))
+        nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static,
+                           own_partials))
 
     outputs = [o.name for o in graph.output]
     for name in outputs:

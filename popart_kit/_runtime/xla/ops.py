@@ -30,8 +30,8 @@ import numpy as np
 from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
-__all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "np_dtype",
-           "partials", "read_attributes"]
+__all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "node_partials",
+           "np_dtype", "partials", "read_attributes"]
 
 GRAPHCORE = "ai.graphcore"
 
@@ -920,6 +920,37 @@ def partials(kind: str | None) -> Iterator[None]:
         yield
     finally:
         _PARTIALS.reset(token)
+
+
+# PopART's per-node partials (Builder.setPartialsType): the ops whose creators read it
+# (willow/src/op/matmul.cpp, convbase.cpp MultiConvOptions for Conv and ConvTranspose).
+_PARTIALS_ATTRIBUTE = "__partials_type"
+_PARTIALS_OPS = ("MatMul", "Conv", "ConvTranspose")
+
+
+def node_partials(node: NodeProto) -> str | None:
+    """The partials type a node carries (``__partials_type``, as Builder.setPartialsType
+    writes it), lower-cased for :func:`partials`; None when it has none or is not a MatMul,
+    Conv or ConvTranspose. NotSupported, with PopART's error, for another type than float or
+    half."""
+    if node.op_type not in _PARTIALS_OPS:
+        return None
+    for attribute in node.attribute:
+        if attribute.name != _PARTIALS_ATTRIBUTE:
+            continue
+        if attribute.type != AttributeProto.STRING:
+            raise NotSupported(f"attribute {_PARTIALS_ATTRIBUTE} must be a STRING (float or "
+                               f"half)")
+        given = attribute.s.decode("utf-8", "replace")
+        kind = given.lower()
+        if kind in ("float", "half"):
+            return kind
+        if node.op_type == "MatMul":
+            raise NotSupported(f"Unable to get option 'partialsTypeMatMul' from string "
+                               f"'{given}'. Possible values are 'float' and 'half' in any "
+                               f"letter case.")
+        raise NotSupported(f"Bad partialsType '{kind}'")
+    return None
 
 
 def _accumulator(x: Any) -> Any:
