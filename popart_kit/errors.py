@@ -115,6 +115,10 @@ class Invalid(PopartKitError, ValidationError):
         return tuple(e["type"].removeprefix("popart_kit.") for e in self.errors()
                      if e["type"].startswith("popart_kit."))
 
+    #: PopART's own message for what was refused, when every entry mirrors a PopART check
+    #: that has one (``popart_kit.popart`` raises it instead of the kit's text).
+    popart_text: str | None = None
+
     @classmethod
     def of(cls, title: str, entries: list[tuple[str, tuple, str, Any]]) -> Invalid:
         """An error of this class from ``(type, loc, message, value)`` entries."""

@@ -46,6 +46,9 @@ class Problem:
     rule: str
     severity: Literal["error", "warning"] = "error"
     involved: dict[str, Any] = field(default_factory=dict)
+    #: PopART's own message for this refusal, where the rule mirrors a PopART check whose
+    #: text programs (and PopART's tests) match on: ``popart_kit.popart`` raises it verbatim.
+    popart: str = ""
 
     @property
     def value(self) -> Any:
@@ -129,7 +132,11 @@ def raise_errors(title: str, problems: Iterable[Problem],
         entries = [(e["type"], e["loc"], e["msg"], e.get("input"))
                    for e in also.errors(include_url=False)] + entries
     if entries:
-        raise (error or _kind(title)).of(title, entries)
+        err = (error or _kind(title)).of(title, entries)
+        texts = [p.popart for p in problems if p.severity == "error"]
+        if all(texts) and also is None:
+            err.popart_text = "\n".join(texts)
+        raise err
 
 
 def emit_warnings(problems: Iterable[Problem], stacklevel: int | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._model.builder import Builder as _KitBuilder
-from ._core import popart_exception
+from ._core import popart_exception, popart_text
 
 
 class Builder(_KitBuilder):
@@ -22,4 +22,4 @@ class Builder(_KitBuilder):
         try:
             super().__init__(opsets)
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None

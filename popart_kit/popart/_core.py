@@ -22,6 +22,12 @@ class popart_exception(ValueError):  # noqa: N801 - PopART's name
     catches the kit's refusals catches it too."""
 
 
+def popart_text(err: BaseException) -> str:
+    """What a popart_exception says for the kit's ``err``: PopART's own message where the
+    refused rule has one (programs and tests match on it), else the kit's."""
+    return getattr(err, "popart_text", None) or str(err)
+
+
 class poplar_exception(popart_exception):  # noqa: N801
     """PopART's error for a failure inside Poplar (kept for ``except`` clauses)."""
 
@@ -146,7 +152,7 @@ class AnchorReturnType:
         try:
             self.kit = _KitART(anchorReturnTypeString, returnPeriod)
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
         self._tile_set = tileSet or ENUMS["TileSet"].Compute
         self._exchange = exchangeStrategy or ENUMS["ExchangeStrategy"].JustInTime
 

@@ -37,6 +37,7 @@ from ._core import (
     TensorInfo,
     _contiguous,
     popart_exception,
+    popart_text,
 )
 from ._devices import DeviceInfo
 from ._optimizers import Optimizer
@@ -102,7 +103,7 @@ def _config(mode: str, opts: SessionOptions, flow: DataFlow, device: DeviceInfo,
     except popart_exception:
         raise
     except ValueError as err:
-        raise popart_exception(str(err)) from None
+        raise popart_exception(popart_text(err)) from None
 
 
 def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
@@ -170,7 +171,7 @@ class _Session:
                     self._kit = _KitInference(self.model, self.config, anchors=anchors,
                                               backend="xla")
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
         self._types = _tensor_types(self.model)
         self._pending: dict[str, np.ndarray] = {}
         self._seed: int | None = None
@@ -205,7 +206,7 @@ class _Session:
         try:
             self._kit.prepare()
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
         self._prepared = True
 
     def _require_prepared(self, what: str) -> None:
@@ -254,7 +255,7 @@ class _Session:
         try:
             out = self._kit.run(inputs)
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
         if isinstance(stepio, PyStepIOCallback):
             self._push(stepio, out)
         else:
@@ -341,7 +342,7 @@ class _Session:
             try:
                 self._kit.write_weights(update)
             except ValueError as err:
-                raise popart_exception(str(err)) from None
+                raise popart_exception(popart_text(err)) from None
             self._pending = {}
 
     def weightsToHost(self) -> None:
@@ -399,7 +400,7 @@ class _Session:
         try:
             write_atomic(fn, proto.SerializeToString())
         except FileWriteError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
 
     # -- what the xla runtime does not have -----------------------------------------------------
 
@@ -489,7 +490,7 @@ class TrainingSession(_Session):
         try:
             self._kit.set_optimizer(optimizer.kit)
         except ValueError as err:
-            raise popart_exception(str(err)) from None
+            raise popart_exception(popart_text(err)) from None
         self.optimizer = optimizer
 
     def _optimizer_tensors(self) -> dict[str, np.ndarray]:

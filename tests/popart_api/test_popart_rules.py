@@ -95,9 +95,9 @@ def test_a_loss_of_shape_1_1_trains_and_a_loss_of_two_elements_is_refused_in_pop
         session, anchors = _train(b, one, [one])
     session.run(popart.PyStepIO({x: np.ones((1, 2), np.float32)}, anchors))
     assert anchors[one].shape == (1, 1)
-    with pytest.raises(popart.popart_exception, match="Loss tensor, '.*', must be a scalar "
-                                                      "tensor"):
+    with pytest.raises(popart.popart_exception) as err:
         _train(b, y, [y])
+    assert str(err.value) == f"Loss tensor, '{y}', must be a scalar tensor"  # PopART's words
 
 
 def test_patterns_levels_and_names_are_popart_s():

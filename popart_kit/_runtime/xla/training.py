@@ -75,7 +75,8 @@ class XlaTrainingBackend(XlaBackend):
                 ("loss",), f"loss {loss!r} has shape {list(shape)}, "
                            f"{int(np.prod(shape, dtype=np.int64))} elements; PopART: 'Loss "
                            f"tensor, '{loss}', must be a scalar tensor' (one element).",
-                "reduce it with Mean or Sum (not NoReduction).", "K-loss-scalar"))
+                "reduce it with Mean or Sum (not NoReduction).", "K-loss-scalar",
+                popart=f"Loss tensor, '{loss}', must be a scalar tensor"))
         if not self.trained:
             problems.append(Problem(
                 ("loss",), f"loss {loss!r} depends on none of the model's floating-point "
