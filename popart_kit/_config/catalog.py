@@ -24,6 +24,9 @@ OPTIONS: dict[str, str] = {k: v["type"] for k, v in _DATA["session_options"].ite
 DEFAULTS: dict[str, Any] = {k: v["default"] for k, v in _DATA["session_options"].items()}
 ENUMS: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _DATA["enums"].items()}
 STRUCTS: dict[str, dict[str, str]] = {k: v["fields"] for k, v in _DATA["structs"].items()}
+#: The positional constructor forms of structs whose forms are not their fields in order.
+STRUCT_CTORS: dict[str, list[list[str]]] = {k: v["ctor"] for k, v in _DATA["structs"].items()
+                                            if "ctor" in v}
 DEPRECATED: dict[str, str] = _DATA["deprecated"]  # alias -> current name; PopART warns on set
 
 

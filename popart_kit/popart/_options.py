@@ -24,17 +24,51 @@ def _neutral(type_: str) -> Any:
 
 class _Struct:
     """A settings struct (ExecutionPhaseSettings, TensorLocationSettings, ...): its fields
-    only, keyword arguments in the constructor."""
+    only. Positional arguments follow one of PopART's constructor forms (``_ctors``, else the
+    fields in order); a form's name that is not a field sets that field of a struct field
+    (TensorLocationSettings(storage, ...) sets location.storage)."""
 
     _fields: dict[str, str] = {}
+    _ctors: list[list[str]] = []
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         for name, type_ in self._fields.items():
             object.__setattr__(self, name, _neutral(type_))
-        for name, value in zip(self._fields, args, strict=False):
-            setattr(self, name, value)
+        for name, value in zip(self._form(args), args, strict=False):
+            self._set(name, value)
         for name, value in kwargs.items():
             setattr(self, name, value)
+
+    @classmethod
+    def _form(cls, args: tuple[Any, ...]) -> list[str]:
+        """The constructor form ``args`` fit: of those as long, the first whose enum and
+        struct arguments have their types (else the first, whose check names the field)."""
+        forms = [f for f in cls._ctors if len(f) == len(args)] or [list(cls._fields)]
+        for form in forms:
+            if all(cls._fits(name, value) for name, value in zip(form, args, strict=False)):
+                return form
+        return forms[0]
+
+    @classmethod
+    def _fits(cls, name: str, value: Any) -> bool:
+        type_ = cls._fields.get(name) or next(
+            (STRUCTS[t[7:]]._fields[name] for t in cls._fields.values()
+             if t.startswith("struct:") and name in STRUCTS[t[7:]]._fields), "other")
+        try:
+            _checked(type_, value, name)
+        except TypeError:
+            return False
+        return True
+
+    def _set(self, name: str, value: Any) -> None:
+        if name in self._fields:
+            setattr(self, name, value)
+            return
+        for field, type_ in self._fields.items():  # a field of one of its struct fields
+            if type_.startswith("struct:") and name in STRUCTS[type_[7:]]._fields:
+                setattr(getattr(self, field), name, value)
+                return
+        setattr(self, name, value)  # refused, naming the fields
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._fields:
@@ -49,7 +83,9 @@ class _Struct:
 
 
 STRUCTS: dict[str, type[_Struct]] = {
-    name: type(name, (_Struct,), {"_fields": fields}) for name, fields in catalog.STRUCTS.items()}
+    name: type(name, (_Struct,), {"_fields": fields,
+                                  "_ctors": catalog.STRUCT_CTORS.get(name, [])})
+    for name, fields in catalog.STRUCTS.items()}
 
 # The namespace catalog conversions look enum and struct classes up in.
 _NS = types.SimpleNamespace(**ENUMS, **STRUCTS)

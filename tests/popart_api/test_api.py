@@ -234,3 +234,21 @@ def test_popart_kit_run_runs_a_popart_program(tmp_path):
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert "args ['a', '--b'] Gradient___" in done.stdout
+
+
+def test_structs_take_popart_s_positional_constructor_forms():
+    """PopART's bindings give TensorLocation(storage, replicatedTensorSharding) and
+    TensorLocationSettings(storage, minElements..., minElements...) besides the fields in
+    order; the form is chosen by the arguments' count and types, as pybind does."""
+    loc = popart.TensorLocation(popart.TensorStorage.OffChip, popart.ReplicatedTensorSharding.On)
+    assert (loc.storage, loc.replicatedTensorSharding, loc.loadTileSet) == (
+        popart.TensorStorage.OffChip, popart.ReplicatedTensorSharding.On, popart.TileSet.Compute)
+    full = popart.TensorLocation(popart.TensorStorage.OffChip, popart.TileSet.IO,
+                                 popart.TileSet.IO, popart.ReplicatedTensorSharding.Off)
+    assert full.loadTileSet == full.storageTileSet == popart.TileSet.IO
+    settings = popart.TensorLocationSettings(popart.TensorStorage.OffChip, 2, 3)
+    assert settings.location.storage == popart.TensorStorage.OffChip
+    assert (settings.minElementsForOffChip, settings.minElementsForReplicatedTensorSharding) == (
+        2, 3)
+    with pytest.raises(TypeError, match="TensorLocation.storage takes a popart.TensorStorage"):
+        popart.TensorLocation(3, 4)
