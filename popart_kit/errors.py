@@ -39,8 +39,14 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTypeError",
            "ModelTypeError", "DataTypeError", "Invalid", "InvalidConfig", "InvalidModel",
-           "InvalidData", "FileWriteError", "SessionClosedError", "NonFiniteUpdate", "short",
-           "clip"]
+           "InvalidData", "FileWriteError", "SessionClosedError", "NonFiniteUpdate",
+           "PopartException", "short", "clip"]
+
+
+class PopartException(ValueError):
+    """PopART's own exception, ``popart.popart_exception`` in ``popart_kit.popart``: what the
+    drop-in raises, and what the Builder's refusals are (its ``BuilderError``), as PopART's
+    Builder raises popart_exception. A ValueError."""
 
 
 class PopartKitError(ValueError):

@@ -430,3 +430,25 @@ def test_builder_model_and_hand_made_model_give_the_same_layout():
     assert built.depth(True) == by_hand.depth(True) == 3
     assert [(s, i, len(n)) for s, i, n in built.allocation()] == [
         (s, i, len(n)) for s, i, n in by_hand.allocation()]
+
+
+def test_a_conv_is_checked_as_popart_checks_it_when_added():
+    """PopART's builder_helper.cpp: kernel_shape must match the weights, and the window must
+    give a spatial output of no negative size - in PopART's words."""
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [1, 64, 56, 56]))
+    w = b.addInputTensor(pk.TensorInfo("FLOAT", [256, 64, 1, 1]))
+    with pytest.raises(pk.BuilderError) as err:
+        b.aiOnnx.conv([x, w], dilations=[1, 1], kernel_shape=[64, 64], strides=[1, 1],
+                      pads=[0, 0, 0, 0])
+    assert str(err.value) == (f"kernel_shape, [64 64], does not match inferred shape from "
+                              f"weight input '{w}', [1 1]")
+    big = b.addInputTensor(pk.TensorInfo("FLOAT", [256, 64, 64, 64]))
+    with pytest.raises(pk.BuilderError) as err:
+        b.aiOnnx.conv([x, big], dilations=[1, 1], strides=[1, 1], pads=[0, 0, 0, 0])
+    assert str(err.value) == ("Window parameter values combine to give invalid spatial "
+                              "output shape: [-7 -7]")
+    with pytest.raises(pk.BuilderError, match="Length of strides vector 1 != number of "
+                                              "spatial dimensions 2"):
+        b.aiOnnx.conv([x, w], strides=[1])
+    assert b.getTensorShape(b.aiOnnx.conv([x, w], strides=[2, 2])) == [1, 256, 28, 28]

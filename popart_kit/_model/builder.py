@@ -15,7 +15,7 @@ import enum
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._base.atomic import write_atomic
-from ..errors import ModelError, ModelTypeError, short
+from ..errors import ModelError, ModelTypeError, PopartException, short
 from .builder_settings import NodeSettings, scope_attributes
 from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
@@ -43,8 +43,9 @@ _DTYPES = {name: getattr(onnx.TensorProto, name) for name in (
     "UINT16", "UINT32", "UINT64", "BOOL")}
 
 
-class BuilderError(ValueError):
-    """A model-building mistake PopART's Builder also refuses."""
+class BuilderError(PopartException):
+    """A model-building mistake PopART's Builder also refuses (a ``popart.popart_exception``
+    in the drop-in, as PopART raises it)."""
 
 
 class ReductionType(enum.Enum):
@@ -265,8 +266,64 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
         elif attr_type == onnx.AttributeProto.FLOATS:
             value = [float(v) for v in value]
         attrs[attr_name] = value
+    if op.op_type == "Conv":
+        _verify_conv(builder, inputs, attrs)
     ids = builder._add_node(op.op_type, inputs, outputs, attrs, name)
     return ids if op.returns_list else ids[0]
+
+
+def _known_shape(builder: Builder, tensor: str) -> list[int] | None:
+    try:
+        return builder.getTensorShape(tensor)
+    except (BuilderError, KeyError):
+        return None
+
+
+def _vector(values: Sequence[int]) -> str:
+    """A shape as PopART prints one: ``[64 64]``."""
+    return "[" + " ".join(str(v) for v in values) + "]"
+
+
+def _verify_conv(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, Any]) -> None:
+    """PopART's checks when a Conv is added (willow/src/builder_helper.cpp verifyConvBase and
+    verifyWindowParameters), in its words: the kernel_shape attribute matches the weights,
+    the window vectors have one value per spatial dimension (pads two), and they give a
+    spatial output of no negative size."""
+    if len(inputs) < 2:
+        raise BuilderError(f"Conv requires at least two inputs: data, and weights. "
+                           f"{len(inputs)} inputs provided.")
+    weights = _known_shape(builder, inputs[1])
+    kernel = weights[2:] if weights is not None else []
+    if weights is not None and "kernel_shape" in attrs and list(attrs["kernel_shape"]) != kernel:
+        raise BuilderError(f"kernel_shape, {_vector(attrs['kernel_shape'])}, does not match "
+                           f"inferred shape from weight input '{inputs[1]}', {_vector(kernel)}")
+    data = _known_shape(builder, inputs[0])
+    if data is None:
+        return
+    spatial = len(data) - 2
+    if spatial < 1:
+        raise BuilderError("Input tensor has no spatial dimensions")
+    strides, pads = list(attrs.get("strides", [])), list(attrs.get("pads", []))
+    dilations = list(attrs.get("dilations", []))
+    for what, values, count in (("strides", strides, spatial), ("dilations", dilations, spatial)):
+        if values and len(values) != count:
+            raise BuilderError(f"Length of {what} vector {len(values)} != number of spatial "
+                               f"dimensions {spatial}")
+    if pads and len(pads) != 2 * spatial:
+        raise BuilderError(f"Padding vector (length {len(pads)}) does not have 2 values for "
+                           f"each spatial dimension {spatial}")
+    if not kernel or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET", ""):
+        return
+    out = []
+    for d in range(spatial):
+        pad = (pads[d] + pads[d + spatial]) if pads else 0
+        dilation = dilations[d] if dilations else 1
+        stride = strides[d] if strides else 1
+        span = data[2 + d] + pad - dilation * (kernel[d] - 1) - 1
+        out.append(int(np.trunc(span / stride)) + 1)  # C++ division rounds toward zero
+    if any(size < 0 for size in out):
+        raise BuilderError(f"Window parameter values combine to give invalid spatial output "
+                           f"shape: {_vector(out)}")
 
 
 class _AiGraphcore:

@@ -15,11 +15,11 @@ from .._base.shapes import AnchorReturnType as _KitART
 from .._config import catalog
 from .._model.builder import InputSettings, ReductionType, ReplicatedStreamMode
 from .._model.builder import TensorInfo as _KitTensorInfo
+from ..errors import PopartException
 
-
-class popart_exception(ValueError):  # noqa: N801 - PopART's name
-    """The error PopART raises for a refused program or configuration. A ValueError, so code that
-    catches the kit's refusals catches it too."""
+#: The error PopART raises for a refused program or configuration (the Builder's refusals
+#: are ones too). A ValueError, so code that catches the kit's refusals catches it too.
+popart_exception = PopartException
 
 
 def popart_text(err: BaseException) -> str:

@@ -192,3 +192,15 @@ def test_the_order_popart_requires_prepare_weights_from_host_run():
         1, {y: popart.AnchorReturnType("All")}), deviceInfo=_cpu(), userOptions=opts)
     writable.prepareDevice()
     writable.writeWeights(popart.PyWeightsIO({w: np.zeros(2, np.float32)}))
+
+
+def test_the_builder_s_refusals_are_popart_exceptions_in_popart_s_words():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 64, 56, 56]))
+    w = b.addInputTensor(popart.TensorInfo("FLOAT", [256, 64, 1, 1]))
+    with pytest.raises(popart.popart_exception) as err:
+        b.aiOnnx.conv([x, w], dilations=[1, 1], kernel_shape=[64, 64], strides=[1, 1],
+                      pads=[0, 0, 0, 0])
+    assert err.value.args[0] == (f"kernel_shape, [64 64], does not match inferred shape from "
+                                 f"weight input '{w}', [1 1]")
+    assert isinstance(err.value, pk.BuilderError) and isinstance(err.value, ValueError)
