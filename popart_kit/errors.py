@@ -46,7 +46,10 @@ __all__ = ["PopartKitError", "ConfigError", "ModelError", "DataError", "ConfigTy
 class PopartException(ValueError):
     """PopART's own exception, ``popart.popart_exception`` in ``popart_kit.popart``: what the
     drop-in raises, and what the Builder's refusals are (its ``BuilderError``), as PopART's
-    Builder raises popart_exception. A ValueError."""
+    Builder raises popart_exception. A ValueError. It shows itself by PopART's name."""
+
+
+PopartException.__name__ = PopartException.__qualname__ = "popart_exception"
 
 
 class PopartKitError(ValueError):
