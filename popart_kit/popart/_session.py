@@ -10,6 +10,7 @@ for one micro-batch per replica at a time, micro-batch major and replica minor.
 from __future__ import annotations
 
 import contextlib
+import logging as _logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +45,9 @@ from ._optimizers import Optimizer
 from ._options import SessionOptions
 
 GRADIENT = RESERVED_PREFIXES["Gradient"]
+#: Operators that make a PopART session need a random seed (Ir::getRequiresRandomSeed).
+_RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                         "RandomUniformLike", "Multinomial", "Bernoulli", "ShapedDropout"})
 
 
 def _load(fnModel: Any) -> onnx.ModelProto:
@@ -222,6 +226,15 @@ class _Session:
     def setRandomSeed(self, seedValue: int) -> None:
         if not isinstance(seedValue, int) or not 0 <= seedValue < 2**64:
             raise TypeError(f"setRandomSeed({seedValue!r}): the seed is a uint64.")
+        # PopART's Session::setRandomSeed: a session without random behaviour ignores it (with
+        # a warning); one with it needs prepareDevice first
+        random = self.options.enableStochasticRounding or any(
+            node.op_type in _RANDOM_OPS for node in self.model.graph.node)
+        if not random:
+            _logging.getLogger("popart.session").warning(
+                "Trying to set the random seed, but this session has no random behaviour. "
+                "Doing nothing.")
+            return
         self._require_prepared("Devicex::setRandomSeedFromHost(uint64_t)")
         self._seed = seedValue
         if hasattr(self._kit, "set_random_seed"):

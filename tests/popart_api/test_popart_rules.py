@@ -174,9 +174,7 @@ def test_the_order_popart_requires_prepare_weights_from_host_run():
     with pytest.raises(popart.popart_exception, match="must be called before "
                                                       "Devicex::weightsToHost"):
         session.modelToHost("unused.onnx")
-    with pytest.raises(popart.popart_exception, match="must be called before "
-                                                      "Devicex::setRandomSeedFromHost"):
-        session.setRandomSeed(1)
+    session.setRandomSeed(1)  # no random behaviour: PopART warns and ignores it
     session.prepareDevice()
     session.weightsFromHost()
     session.run(step)
@@ -204,3 +202,19 @@ def test_the_builder_s_refusals_are_popart_exceptions_in_popart_s_words():
     assert err.value.args[0] == (f"kernel_shape, [64 64], does not match inferred shape from "
                                  f"weight input '{w}', [1 1]")
     assert isinstance(err.value, pk.BuilderError) and isinstance(err.value, ValueError)
+
+
+def test_a_random_session_takes_a_seed_only_after_prepare_device():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    y = b.aiOnnx.dropout([b.aiOnnx.mul([x, w])], 1, ratio=0.5)[0]
+    flow = popart.DataFlow(1, {y: popart.AnchorReturnType("All")})
+    session = popart.InferenceSession(fnModel=b.getModelProto(), dataFlow=flow,
+                                      deviceInfo=_cpu())
+    with pytest.raises(popart.popart_exception, match="must be called before "
+                                                      "Devicex::setRandomSeedFromHost"):
+        session.setRandomSeed(1)
+    session.prepareDevice()
+    session.setRandomSeed(1)
+    assert session.getRandomSeed() == 1
