@@ -452,3 +452,14 @@ def test_a_conv_is_checked_as_popart_checks_it_when_added():
                                               "spatial dimensions 2"):
         b.aiOnnx.conv([x, w], strides=[1])
     assert b.getTensorShape(b.aiOnnx.conv([x, w], strides=[2, 2])) == [1, 256, 28, 28]
+
+
+def test_list_attributes_take_any_sequence_as_popart_s_bindings_do():
+    """A tuple or a range is a list attribute; an empty one is left out (PopART then uses the
+    operator's default: a reduction over every axis)."""
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3, 4]))
+    assert b.getTensorShape(b.aiOnnx.reducesum([x], axes=range(2), keepdims=0)) == [4]
+    assert b.getTensorShape(b.aiOnnx.reducesum([x], axes=(1,), keepdims=1)) == [2, 1, 4]
+    scalar = b.aiOnnx.reducesum([x], keepdims=0)
+    assert b.getTensorShape(b.aiOnnx.reducesum([scalar], axes=range(0), keepdims=0)) == []

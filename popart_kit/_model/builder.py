@@ -240,6 +240,10 @@ class _AiOnnx:
         return sorted(self._ops)
 
 
+_LIST_ATTRIBUTES = frozenset({onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
+                              onnx.AttributeProto.STRINGS})
+
+
 def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) -> Any:
     bound = op.signature.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -255,6 +259,8 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
     attrs = {}
     for attr_name, attr_type, _, _ in op.attributes:
         value = values[attr_name]
+        if attr_type in _LIST_ATTRIBUTES and value is not None and not isinstance(value, str):
+            value = list(value)  # any sequence, as pybind takes one: a tuple, a range
         if value is None or (isinstance(value, list | str) and not value):
             continue
         if attr_type == onnx.AttributeProto.TENSOR:
