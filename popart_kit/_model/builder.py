@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import inspect
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .._base.atomic import write_atomic
-from ..errors import ModelError, ModelTypeError, PopartException, short
+from .builder_base import (
+    BuilderError,
+    Scope,
+    debug_name,
+    is_count,
+    is_str,
+    overload,
+    signature,
+)
 from .builder_settings import NodeSettings, scope_attributes
 from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
@@ -41,11 +48,6 @@ STREAM_MODE_KEY = "__replicated_stream_mode/"  # metadata_props key prefix, as P
 _DTYPES = {name: getattr(onnx.TensorProto, name) for name in (
     "FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE", "INT8", "INT16", "INT32", "INT64", "UINT8",
     "UINT16", "UINT32", "UINT64", "BOOL")}
-
-
-class BuilderError(PopartException):
-    """A model-building mistake PopART's Builder also refuses (a ``popart.popart_exception``
-    in the drop-in, as PopART raises it)."""
 
 
 class ReductionType(enum.Enum):
@@ -124,78 +126,18 @@ class TensorInfo:
         return f"TensorInfo({self._type!r}, {self._shape})"
 
 
-class _Scope:
-    """A context manager that pushes an attribute value for the nodes created inside it."""
-
-    def __init__(self, builder: Builder, attribute: str, value: int | str) -> None:
-        self._builder, self._attribute, self._value = builder, attribute, value
-
-    def __enter__(self) -> _Scope:
-        self._builder._scopes.setdefault(self._attribute, []).append(self._value)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._builder._scopes[self._attribute].pop()
-
-
-def _debug_name(value: Any, what: str) -> str:
-    """``value`` as a debug context or name scope: text that encodes as UTF-8, as ONNX names
-    must; anything else is refused here, at the call, not when the model is serialised."""
-    if not isinstance(value, str):
-        raise ModelTypeError(f"{what} must be text, got {type(value).__name__} {short(value)}. "
-                             f"Fix: pass a name such as 'layer0'.")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ModelError(f"{what} {short(value)} cannot name ONNX tensors or nodes: a lone "
-                         f"surrogate at position {err.start} is not UTF-8. Fix: pass text "
-                         f"without surrogates (decode bytes with errors='replace').") from None
-    return value
-
-
 def _count(value: Any) -> int:
     if isinstance(value, bool):
         raise TypeError(f"expected an integer, got {value!r}")
     return operator.index(value)
 
 
-def _overload(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              *overloads: tuple[inspect.Signature, dict[str, Callable[[Any], bool]]]
-              ) -> dict[str, Any]:
-    """The arguments of the first overload that binds and whose argument checks pass, as
-    pybind11 picks among PopART's overloads; TypeError listing them when none does."""
-    for signature, checks in overloads:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            continue
-        bound.apply_defaults()
-        if all(check(bound.arguments[name]) for name, check in checks.items()):
-            return dict(bound.arguments)
-    shown = "; ".join(f"{method}{sig}" for sig, _ in overloads)
-    raise TypeError(f"{method}(): no overload takes these arguments. PopART's: {shown}")
-
-
-def _signature(*names: str, **defaults: Any) -> inspect.Signature:
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature([inspect.Parameter(n, kind, default=defaults[n]) if n in defaults
-                              else inspect.Parameter(n, kind) for n in names])
-
-
 def _is_info(v: Any) -> bool:
     return isinstance(v, TensorInfo)
 
 
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
 def _is_settings(v: Any) -> bool:
     return isinstance(v, InputSettings)
-
-
-def _is_count(v: Any) -> bool:
-    return not isinstance(v, bool) and hasattr(v, "__index__")
 
 
 def _is_ids(v: Any) -> bool:
@@ -204,22 +146,22 @@ def _is_ids(v: Any) -> bool:
 
 
 _ADD_INPUT = (
-    (_signature("tensorInfo", "debugContext", debugContext=""),
-     {"tensorInfo": _is_info, "debugContext": _is_str}),
-    (_signature("tensorInfo", "settings", "debugContext", debugContext=""),
-     {"tensorInfo": _is_info, "settings": _is_settings, "debugContext": _is_str}),
-    (_signature("dataType", "shape", "debugContext", debugContext=""),
-     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str), "debugContext": _is_str}),
-    (_signature("dataType", "shape", "settings", "debugContext", debugContext=""),
-     {"dataType": _is_str, "shape": lambda v: not isinstance(v, str),
-      "settings": _is_settings, "debugContext": _is_str}),
+    (signature("tensorInfo", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "debugContext": is_str}),
+    (signature("tensorInfo", "settings", "debugContext", debugContext=""),
+     {"tensorInfo": _is_info, "settings": _is_settings, "debugContext": is_str}),
+    (signature("dataType", "shape", "debugContext", debugContext=""),
+     {"dataType": is_str, "shape": lambda v: not isinstance(v, str), "debugContext": is_str}),
+    (signature("dataType", "shape", "settings", "debugContext", debugContext=""),
+     {"dataType": is_str, "shape": lambda v: not isinstance(v, str),
+      "settings": _is_settings, "debugContext": is_str}),
 )
-_PIPELINE_STAGE = ((_signature("nodeOutputNames", "value", value=0),
-                    {"nodeOutputNames": _is_str, "value": _is_count}),
-                   (_signature("value"), {"value": _is_count}))
-_VIRTUAL_GRAPH = ((_signature("nodeOutputNames", "value", value=0),
-                   {"nodeOutputNames": _is_ids, "value": _is_count}),
-                  (_signature("value"), {"value": _is_count}))
+_PIPELINE_STAGE = ((signature("nodeOutputNames", "value", value=0),
+                    {"nodeOutputNames": is_str, "value": is_count}),
+                   (signature("value"), {"value": is_count}))
+_VIRTUAL_GRAPH = ((signature("nodeOutputNames", "value", value=0),
+                   {"nodeOutputNames": _is_ids, "value": is_count}),
+                  (signature("value"), {"value": is_count}))
 
 
 class _AiOnnx:
@@ -456,7 +398,7 @@ class Builder(NodeSettings):
     def _choose_onnx(self, version: int) -> _AiOnnx:
         """The ai.onnx opset ``version`` for this builder's ops, if none is chosen yet."""
         if self._ai_onnx is None:
-            self._chosen_onnx, self._ai_onnx = version, _AiOnnx(self, version)
+            self._use_onnx(version)
         elif version != self._chosen_onnx:
             raise BuilderError(f"Invalid opset 'aiOnnxOpset{version}' selected. Opset for "
                                f"domain ai.onnx already defined as {self._chosen_onnx} (by "
@@ -464,6 +406,10 @@ class Builder(NodeSettings):
                                f"aiOnnxOpset{self._chosen_onnx}, or a new Builder for opset "
                                f"{version}.")
         return self._ai_onnx
+
+    def _use_onnx(self, version: int) -> None:
+        """Make ``version`` the builder's ai.onnx opset (aiOnnxOpsetVersion may switch it)."""
+        self._chosen_onnx, self._ai_onnx = version, _AiOnnx(self, version)
 
     @property
     def _onnx_version(self) -> int:
@@ -498,7 +444,7 @@ class Builder(NodeSettings):
                   out_type: onnx.TypeProto | None = None) -> list[str]:
         """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
         mistake fails here, naming the op."""
-        _debug_name(name, f"{op_type}: debugContext")
+        debug_name(name, f"{op_type}: debugContext")
         unknown = [t for t in inputs if t not in self._types]
         if unknown:
             raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
@@ -565,10 +511,10 @@ class Builder(NodeSettings):
         """PopART's overloads: ``(tensorInfo, debugContext="")``, ``(tensorInfo, settings,
         debugContext="")``, ``(dataType, shape, debugContext="")`` and ``(dataType, shape,
         settings, debugContext="")`` - the last drops its settings, as PopART's does."""
-        given = _overload("addInputTensor", args, kwargs, *_ADD_INPUT)
+        given = overload("addInputTensor", args, kwargs, *_ADD_INPUT)
         info = given.get("tensorInfo") or TensorInfo(given["dataType"], given["shape"])
         settings = given.get("settings") if "tensorInfo" in given else None
-        tensor_id = self._next_id(_debug_name(given["debugContext"], "debugContext") or "input")
+        tensor_id = self._next_id(debug_name(given["debugContext"], "debugContext") or "input")
         value = helper.make_tensor_value_info(tensor_id, _DTYPES[info.dataType()], info.shape())
         self._graph.input.append(value)
         self._types[tensor_id] = value.type
@@ -578,7 +524,7 @@ class Builder(NodeSettings):
 
     def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
         array = np.require(initVal, requirements="C")
-        tensor_id = self._next_id(_debug_name(debugContext, "debugContext") or "init_input")
+        tensor_id = self._next_id(debug_name(debugContext, "debugContext") or "init_input")
         if array.dtype == np.float32:  # PopART stores FLOAT initializers in float_data
             tensor = helper.make_tensor(tensor_id, onnx.TensorProto.FLOAT, array.shape,
                                         array.reshape(-1))
@@ -602,7 +548,7 @@ class Builder(NodeSettings):
     def reshape_const(self, aiOnnx: Any, args: Sequence[str], shape: Sequence[int],
                       debugContext: str = "") -> str:
         """PopART's helper: a Reshape of ``args[0]`` to ``shape`` through an INT64 constant."""
-        _debug_name(debugContext, "debugContext")
+        debug_name(debugContext, "debugContext")
         new_shape = aiOnnx.constant(np.array(shape).astype(np.int64), debugContext + "_const")
         return aiOnnx.reshape([args[0], new_shape], debugContext)
 
@@ -685,29 +631,29 @@ class Builder(NodeSettings):
                 return int(attr.i)
         raise BuilderError(f"Node does not have an attribute {attributeName}.")
 
-    def _annotate(self, attribute: str, given: dict[str, Any]) -> _Scope | None:
+    def _annotate(self, attribute: str, given: dict[str, Any]) -> Scope | None:
         """The setter overload annotates one node; the ``(value)`` overload opens a scope."""
         if "nodeOutputNames" not in given:
-            return _Scope(self, attribute, _count(given["value"]))
+            return Scope(self, attribute, _count(given["value"]))
         self.addNodeAttribute(attribute, _count(given["value"]), given["nodeOutputNames"])
         return None
 
-    def pipelineStage(self, *args: Any, **kwargs: Any) -> _Scope | None:
+    def pipelineStage(self, *args: Any, **kwargs: Any) -> Scope | None:
         """``pipelineStage(nodeOutputName, value=0)`` sets a node's stage;
         ``with pipelineStage(value):`` stages every node created inside."""
         return self._annotate(PIPELINE_STAGE,
-                              _overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE))
+                              overload("pipelineStage", args, kwargs, *_PIPELINE_STAGE))
 
-    def virtualGraph(self, *args: Any, **kwargs: Any) -> _Scope | None:
+    def virtualGraph(self, *args: Any, **kwargs: Any) -> Scope | None:
         """``virtualGraph(nodeOutputNames, value=0)`` places a node on an IPU;
         ``with virtualGraph(value):`` places every node created inside."""
         return self._annotate(VIRTUAL_GRAPH,
-                              _overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH))
+                              overload("virtualGraph", args, kwargs, *_VIRTUAL_GRAPH))
 
-    def nameScope(self, name: str) -> _Scope:
+    def nameScope(self, name: str) -> Scope:
         """``with nameScope(name):`` prefixes the ids and node names created inside; refuses a
-        name that is not UTF-8 text (:func:`_debug_name`)."""
-        return _Scope(self, "name", _debug_name(name, "name scope"))
+        name that is not UTF-8 text (:func:`debug_name`)."""
+        return Scope(self, "name", debug_name(name, "name scope"))
 
     def getNameScope(self, name: str = "") -> str:
         return "".join(f"{scope}{_DELIMITER}" for scope in self._scopes.get("name", ())) + name

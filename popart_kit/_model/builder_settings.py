@@ -13,18 +13,15 @@ honours as it honours ``precision.partials_type``.
 from __future__ import annotations
 
 import enum
-import inspect
 import itertools
-import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import AttributeProto, helper
 
-if TYPE_CHECKING:
-    from .builder import Builder
+from .builder_base import BuilderError, Scope, debug_name, is_count, is_str, overload, signature
 
 __all__ = ["NodeSettings", "scope_attributes", "EXECUTION_PHASE", "RECOMPUTE_OUTPUT",
            "PARTIALS_TYPE", "AVAILABLE_MEMORY", "OUTPUT_TENSOR_LOCATION", "SCHEDULE_PRIORITY",
@@ -73,26 +70,6 @@ def scope_attributes(scopes: Mapping[str, list[Any]]) -> list[onnx.AttributeProt
             for name, stack in sorted(scopes.items()) if name.startswith("__") and stack]
 
 
-def _kit() -> types.ModuleType:
-    """The builder module (it imports this one, so it is looked up when first used)."""
-    from . import builder
-    return builder
-
-
-def _error(message: str) -> Exception:
-    return _kit().BuilderError(message)
-
-
-def _sig(*names: str, **defaults: Any) -> inspect.Signature:
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature([inspect.Parameter(n, kind, default=defaults[n]) if n in defaults
-                              else inspect.Parameter(n, kind) for n in names])
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
 def _is_ids(v: Any) -> bool:
     """A set of tensor ids (PopART's std::set<TensorId>; lists and tuples are taken too)."""
     return isinstance(v, set | frozenset | list | tuple) and all(isinstance(i, str) for i in v)
@@ -100,16 +77,6 @@ def _is_ids(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float | np.integer | np.floating)
-
-
-def _is_index(v: Any) -> bool:
-    return not isinstance(v, bool) and hasattr(v, "__index__")
-
-
-def _pick(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-          *overloads: tuple[inspect.Signature, dict[str, Callable[[Any], bool]]]
-          ) -> dict[str, Any]:
-    return _kit()._overload(method, args, kwargs, *overloads)
 
 
 def _int64(value: Any, what: str) -> int:
@@ -129,7 +96,7 @@ def _recompute_type(value: Any, method: str) -> int:
     Recomputed 3): a ``popart.RecomputeType`` member, or its value."""
     if isinstance(value, enum.Enum) and value.name in _RECOMPUTE_TYPES:
         return _RECOMPUTE_TYPES.index(value.name)
-    if _is_index(value) and 0 <= int(value) < len(_RECOMPUTE_TYPES):
+    if is_count(value) and 0 <= int(value) < len(_RECOMPUTE_TYPES):
         return int(value)
     raise TypeError(f"{method}(): value must be a popart.RecomputeType "
                     f"({', '.join(_RECOMPUTE_TYPES)}) or its value 0-3, got {value!r}")
@@ -137,7 +104,7 @@ def _recompute_type(value: Any, method: str) -> int:
 
 def _is_recompute(v: Any) -> bool:
     return (isinstance(v, enum.Enum) and v.name in _RECOMPUTE_TYPES) or (
-        _is_index(v) and 0 <= int(v) < len(_RECOMPUTE_TYPES))
+        is_count(v) and 0 <= int(v) < len(_RECOMPUTE_TYPES))
 
 
 def _is_location(v: Any) -> bool:
@@ -172,7 +139,7 @@ class _MergedScope:
     the key/value pairs of the enclosing scope, then the new ones for keys it lacks (std::map
     insert keeps the first), as a flat sorted [key, value, ...] list."""
 
-    def __init__(self, builder: Builder, attribute: str, pairs: dict[str, str]) -> None:
+    def __init__(self, builder: Any, attribute: str, pairs: dict[str, str]) -> None:
         self._builder, self._attribute, self._pairs = builder, attribute, pairs
 
     def __enter__(self) -> _MergedScope:
@@ -187,25 +154,25 @@ class _MergedScope:
         self._builder._scopes[self._attribute].pop()
 
 
-_EXECUTION_PHASE = ((_sig("nodeOutputNames", "value", value=0),
-                     {"nodeOutputNames": lambda v: _is_str(v) or _is_ids(v),
-                      "value": _is_index}),
-                    (_sig("value", value=0), {"value": _is_index}))
-_RECOMPUTE_OUTPUT = ((_sig("nodeOutputNames", "value", value=0),
-                      {"nodeOutputNames": _is_str, "value": _is_recompute}),
-                     (_sig("value", value=0), {"value": _is_recompute}))
-_RECOMPUTE_BACKWARD = ((_sig("nodeOutputName", "value", value=_RECOMPUTE),
-                        {"nodeOutputName": _is_str, "value": _is_recompute}),
-                       (_sig("nodeOutputNames", "value", value=_RECOMPUTE),
+_EXECUTION_PHASE = ((signature("nodeOutputNames", "value", value=0),
+                     {"nodeOutputNames": lambda v: is_str(v) or _is_ids(v),
+                      "value": is_count}),
+                    (signature("value", value=0), {"value": is_count}))
+_RECOMPUTE_OUTPUT = ((signature("nodeOutputNames", "value", value=0),
+                      {"nodeOutputNames": is_str, "value": _is_recompute}),
+                     (signature("value", value=0), {"value": _is_recompute}))
+_RECOMPUTE_BACKWARD = ((signature("nodeOutputName", "value", value=_RECOMPUTE),
+                        {"nodeOutputName": is_str, "value": _is_recompute}),
+                       (signature("nodeOutputNames", "value", value=_RECOMPUTE),
                         {"nodeOutputNames": _is_ids, "value": _is_recompute}))
-_GET_RECOMPUTE_BACKWARD = ((_sig("nodeOutputName"), {"nodeOutputName": _is_str}),
-                           (_sig("nodeOutputNames"), {"nodeOutputNames": _is_ids}))
-_OUTPUT_LOCATION = ((_sig("nodeOutputNames", "value", value=None),
-                     {"nodeOutputNames": _is_str, "value": _is_location}),
-                    (_sig("value", value=None), {"value": _is_location}))
-_AVAILABLE_MEMORY = ((_sig("nodeOutputName", "availableMemoryProportion"),
-                      {"nodeOutputName": _is_str, "availableMemoryProportion": _is_number}),
-                     (_sig("nodeOutputNames", "availableMemoryProportion"),
+_GET_RECOMPUTE_BACKWARD = ((signature("nodeOutputName"), {"nodeOutputName": is_str}),
+                           (signature("nodeOutputNames"), {"nodeOutputNames": _is_ids}))
+_OUTPUT_LOCATION = ((signature("nodeOutputNames", "value", value=None),
+                     {"nodeOutputNames": is_str, "value": _is_location}),
+                    (signature("value", value=None), {"value": _is_location}))
+_AVAILABLE_MEMORY = ((signature("nodeOutputName", "availableMemoryProportion"),
+                      {"nodeOutputName": is_str, "availableMemoryProportion": _is_number}),
+                     (signature("nodeOutputNames", "availableMemoryProportion"),
                       {"nodeOutputNames": _is_ids, "availableMemoryProportion": _is_number}))
 
 
@@ -219,24 +186,24 @@ class NodeSettings:
 
     # -- attributes: typed writes, reads and removal (willow/src/builder_impl.cpp) -----------
 
-    def _add_typed(self: Builder, name: str, attr_type: int, value: Any,
+    def _add_typed(self: Any, name: str, attr_type: int, value: Any,
                    nodeOutputNames: str | Sequence[str]) -> None:
         """BuilderImpl::addNodeAttribute: one attribute of an explicit ONNX type (empty lists
         keep their type)."""
         node = self._node(nodeOutputNames)
         if any(a.name == name for a in node.attribute):
-            raise _error(f"Node already has attribute {name}.")
+            raise BuilderError(f"Node already has attribute {name}.")
         node.attribute.append(helper.make_attribute(name, value, attr_type=attr_type))
 
-    def _attribute(self: Builder, attributeName: str, nodeOutputNames: str | Sequence[str],
+    def _attribute(self: Any, attributeName: str, nodeOutputNames: str | Sequence[str],
                    attr_type: int, what: str) -> onnx.AttributeProto:
         """BuilderImpl::getNodeAttribute and the type check of its typed getters."""
         for attr in self._node(nodeOutputNames).attribute:
             if attr.name == attributeName:
                 if attr.type != attr_type:
-                    raise _error(f"Attribute {attributeName} is not {what}.")
+                    raise BuilderError(f"Attribute {attributeName} is not {what}.")
                 return attr
-        raise _error(f"Node does not have an attribute {attributeName}.")
+        raise BuilderError(f"Node does not have an attribute {attributeName}.")
 
     def getInt64VectorNodeAttribute(self, attributeName: str,
                                     nodeOutputNames: str | Sequence[str]) -> list[int]:
@@ -273,12 +240,12 @@ class NodeSettings:
         return bool(self._attribute(attributeName, nodeOutputNames, AttributeProto.INT,
                                     "a int").i)
 
-    def getAllNodeAttributeNames(self: Builder,
+    def getAllNodeAttributeNames(self: Any,
                                  nodeOutputNames: str | Sequence[str]) -> list[str]:
         # builder_impl.cpp BuilderImpl::getAllNodeAttributeNames
         return [a.name for a in self._node(nodeOutputNames).attribute]
 
-    def removeNodeAttribute(self: Builder, attributeName: str,
+    def removeNodeAttribute(self: Any, attributeName: str,
                             nodeOutputNames: str | Sequence[str]) -> None:
         # builder_impl.cpp BuilderImpl::removeNodeAttribute
         node = self._node(nodeOutputNames)
@@ -286,7 +253,7 @@ class NodeSettings:
             if attr.name == attributeName:
                 del node.attribute[i]
                 return
-        raise _error(f"Cannot remove attribute {attributeName} as it does not exist.")
+        raise BuilderError(f"Cannot remove attribute {attributeName} as it does not exist.")
 
     # -- tensors and the graph (willow/src/builder_impl.cpp) ---------------------------------
 
@@ -306,7 +273,7 @@ class NodeSettings:
     def setGraphName(self, name: str) -> None:
         """BuilderImpl::setGraphName: the graph's name; an empty one becomes a unique name
         (``_0``, ``_1`` ...), as PopART's generateUniqueGraphName makes it."""
-        name = _kit()._debug_name(name, "graph name")
+        name = debug_name(name, "graph name")
         self._graph.name = name or f"_{next(_GRAPH_UIDS)}"
 
     def embedReplicationFactor(self, replicationFactor: int) -> None:
@@ -316,7 +283,7 @@ class NodeSettings:
         self._metadata[REPLICATION_FACTOR] = str(_int64(replicationFactor,
                                                         "replicationFactor"))
 
-    def aiOnnxOpsetVersion(self: Builder, version: int) -> None:
+    def aiOnnxOpsetVersion(self: Any, version: int) -> None:
         """python/popart/python_files/builder.py Builder.aiOnnxOpsetVersion: make ``aiOnnx``
         the opset ``version`` (6 to 11). As in PopART it matters only once an ai.onnx opset is
         chosen (``opsets=`` or a first aiOnnx op); before that the first ``aiOnnx`` still picks
@@ -324,27 +291,27 @@ class NodeSettings:
         error (PopART raises it at the next op)."""
         version = _int64(version, "version")
         if version not in _POPART_AI_ONNX:
-            raise _error(f"Unsupported or unrecognized ai.Onnx version: {version}")
+            raise BuilderError(f"Unsupported or unrecognized ai.Onnx version: {version}")
         chosen = self._chosen_onnx
         if chosen is None or version == chosen:
             return
         if any(node.domain in ("", "ai.onnx") for node in self._graph.node):
-            raise _error(f"Invalid opset {version} used to add an operation. Opset for domain "
-                         f"ai.onnx already defined as {chosen}")
-        self._chosen_onnx, self._ai_onnx = version, _kit()._AiOnnx(self, version)
+            raise BuilderError(f"Invalid opset {version} used to add an operation. Opset for "
+                               f"domain ai.onnx already defined as {chosen}")
+        self._use_onnx(version)
 
     # -- scopes: the attributes every node created inside carries ----------------------------
 
-    def executionPhase(self: Builder, *args: Any, **kwargs: Any) -> Any:
+    def executionPhase(self: Any, *args: Any, **kwargs: Any) -> Any:
         """``executionPhase(nodeOutputNames, value=0)`` sets a node's execution phase
         (``__execution_phase``, INT); ``with executionPhase(value=0):`` sets it on every node
         created inside (builder.hpp Builder::executionPhase; popart.cpp's binding). Has no
         effect off the IPU: execution phases schedule a model too large for the IPUs through
         streaming memory; the xla backend runs the whole graph as one program."""
         return self._annotate(EXECUTION_PHASE,
-                              _pick("executionPhase", args, kwargs, *_EXECUTION_PHASE))
+                              overload("executionPhase", args, kwargs, *_EXECUTION_PHASE))
 
-    def getExecutionPhase(self: Builder) -> int:
+    def getExecutionPhase(self: Any) -> int:
         # builder.cpp Builder::getExecutionPhase: the phase of the innermost scope
         return self._scope_value(EXECUTION_PHASE, "Execution phase")
 
@@ -352,26 +319,26 @@ class NodeSettings:
         # popart.cpp: hasAttribute(sExecutionPhaseAttribute)
         return bool(self._scopes.get(EXECUTION_PHASE))
 
-    def recomputeOutput(self: Builder, *args: Any, **kwargs: Any) -> Any:
+    def recomputeOutput(self: Any, *args: Any, **kwargs: Any) -> Any:
         """``recomputeOutput(nodeOutputNames, value=RecomputeType.Undefined)`` sets a node's
         RecomputeType (``__recompute_output_in_backward_pass``, INT: Undefined 0, Checkpoint 1,
         Recompute 2, Recomputed 3); ``with recomputeOutput(value):`` sets it on every node
         created inside (builder.hpp Builder::recomputeOutput; popart.cpp's binding). Has no
         effect off the IPU: recomputation trades IPU memory for cycles; XLA keeps or
         recomputes activations as it sees fit and the results are the same."""
-        given = _pick("recomputeOutput", args, kwargs, *_RECOMPUTE_OUTPUT)
+        given = overload("recomputeOutput", args, kwargs, *_RECOMPUTE_OUTPUT)
         value = _recompute_type(given["value"], "recomputeOutput")
         if "nodeOutputNames" in given:
             self.addNodeAttribute(RECOMPUTE_OUTPUT, value, given["nodeOutputNames"])
             return None
-        return _kit()._Scope(self, RECOMPUTE_OUTPUT, value)
+        return Scope(self, RECOMPUTE_OUTPUT, value)
 
-    def recomputeOutputInBackwardPass(self: Builder, *args: Any, **kwargs: Any) -> None:
+    def recomputeOutputInBackwardPass(self: Any, *args: Any, **kwargs: Any) -> None:
         """``recomputeOutputInBackwardPass(nodeOutputName | nodeOutputNames,
         value=RecomputeType.Recompute)``: ``__recompute_output_in_backward_pass`` (INT) on the
         node (builder.hpp Builder::recomputeOutputInBackwardPass). Has no effect off the IPU:
         see :meth:`recomputeOutput`."""
-        given = _pick("recomputeOutputInBackwardPass", args, kwargs, *_RECOMPUTE_BACKWARD)
+        given = overload("recomputeOutputInBackwardPass", args, kwargs, *_RECOMPUTE_BACKWARD)
         names = given.get("nodeOutputName", given.get("nodeOutputNames"))
         self.addNodeAttribute(RECOMPUTE_OUTPUT,
                               _recompute_type(given["value"], "recomputeOutputInBackwardPass"),
@@ -380,11 +347,11 @@ class NodeSettings:
     def getRecomputeOutputInBackwardPass(self, *args: Any, **kwargs: Any) -> bool:
         """Whether the node's ``__recompute_output_in_backward_pass`` is non-zero - True for
         Checkpoint too, as PopART's reads it (builder.hpp, getBoolNodeAttribute)."""
-        given = _pick("getRecomputeOutputInBackwardPass", args, kwargs,
-                      *_GET_RECOMPUTE_BACKWARD)
+        given = overload("getRecomputeOutputInBackwardPass", args, kwargs,
+                         *_GET_RECOMPUTE_BACKWARD)
         return self._bool_attribute(RECOMPUTE_OUTPUT, next(iter(given.values())))
 
-    def checkpointOutput(self: Builder, nodeOutputNames: Sequence[str]) -> list[str]:
+    def checkpointOutput(self: Any, nodeOutputNames: Sequence[str]) -> list[str]:
         """An Identity node (named "Checkpoint") per tensor, its output marked Checkpoint and
         excluding the PreUniRepl and PostNRepl patterns; returns the new tensors
         (builder_impl.cpp BuilderImpl::checkpointOutput). Has no effect off the IPU: the
@@ -401,30 +368,30 @@ class NodeSettings:
             results.append(output)
         return results
 
-    def outputTensorLocation(self: Builder, *args: Any, **kwargs: Any) -> Any:
+    def outputTensorLocation(self: Any, *args: Any, **kwargs: Any) -> Any:
         """``outputTensorLocation(nodeOutputNames, value=TensorLocation())`` sets where a node's
         output lives (``__output_tensor_location``, INTS: TensorLocation::serialize, six
         values); ``with outputTensorLocation(value):`` sets it on every node created inside
         (builder.hpp Builder::outputTensorLocation; popart.cpp's binding). ``value`` is a
         ``popart.TensorLocation``. Has no effect off the IPU: on-chip, streaming-memory and
         replica-sharded storage are IPU memory placements."""
-        given = _pick("outputTensorLocation", args, kwargs, *_OUTPUT_LOCATION)
+        given = overload("outputTensorLocation", args, kwargs, *_OUTPUT_LOCATION)
         value = _serialized_location(given["value"])
         if "nodeOutputNames" in given:
             self._add_typed(OUTPUT_TENSOR_LOCATION, AttributeProto.INTS, value,
                             given["nodeOutputNames"])
             return None
-        return _kit()._Scope(self, OUTPUT_TENSOR_LOCATION, value)
+        return Scope(self, OUTPUT_TENSOR_LOCATION, value)
 
-    def schedulePriority(self: Builder, value: float) -> Any:
+    def schedulePriority(self: Any, value: float) -> Any:
         """``with schedulePriority(value):`` gives every node created inside the scheduling
         priority ``value`` (``__schedule_priority``, FLOAT; popart.cpp's binding). Has no effect
         off the IPU: it orders PopART's op schedule; XLA schedules its own."""
         if not _is_number(value):
             raise TypeError(f"schedulePriority(): value must be a number, got {value!r}")
-        return _kit()._Scope(self, SCHEDULE_PRIORITY, float(np.float32(value)))
+        return Scope(self, SCHEDULE_PRIORITY, float(np.float32(value)))
 
-    def outlineAttributes(self: Builder, arg0: Mapping[Any, Any], /) -> _MergedScope:
+    def outlineAttributes(self: Any, arg0: Mapping[Any, Any], /) -> _MergedScope:
         """``with outlineAttributes({key: value, ...}):`` gives every node created inside the
         outlining key/value pairs (``__outline``, STRINGS ``[key, value, ...]`` sorted by key,
         as ``str()``; an enclosing scope's pairs kept, its value winning for a repeated key) -
@@ -437,32 +404,32 @@ class NodeSettings:
             pairs.setdefault(str(key), str(value))
         return _MergedScope(self, OUTLINE, pairs)
 
-    def commGroup(self: Builder, type: Any = 0, groupSize: Any = 0) -> Any:  # noqa: A002
+    def commGroup(self: Any, type: Any = 0, groupSize: Any = 0) -> Any:  # noqa: A002
         """``with commGroup(type=0, groupSize=0):`` gives every node created inside the
         collective replica group ``[type, groupSize]`` (``__collectiveCommGroup``, INTS;
         popart.cpp's binding, PopART's deprecated sCollectiveCommGroup). Has no effect off the
         IPU: the xla backend's collectives span the replicas of its config."""
-        return _kit()._Scope(self, COMM_GROUP, [_int64(type, "commGroup(): type"),
+        return Scope(self, COMM_GROUP, [_int64(type, "commGroup(): type"),
                                                  _int64(groupSize, "commGroup(): groupSize")])
 
     # -- per-node settings -------------------------------------------------------------------
 
-    def setAvailableMemoryProportion(self: Builder, *args: Any, **kwargs: Any) -> None:
+    def setAvailableMemoryProportion(self: Any, *args: Any, **kwargs: Any) -> None:
         """``setAvailableMemoryProportion(nodeOutputName | nodeOutputNames,
         availableMemoryProportion)``: ``__available_memory`` (FLOAT), replacing any earlier
         value; refused outside (0, 1] (builder.cpp Builder::setAvailableMemoryProportion). Has
         no effect off the IPU: it bounds the temporary tile memory of IPU convolutions and
         matmuls."""
-        given = _pick("setAvailableMemoryProportion", args, kwargs, *_AVAILABLE_MEMORY)
+        given = overload("setAvailableMemoryProportion", args, kwargs, *_AVAILABLE_MEMORY)
         names = given.get("nodeOutputName", given.get("nodeOutputNames"))
         proportion = np.float32(given["availableMemoryProportion"])  # PopART takes a float
         if not 0.0 < proportion <= 1.0:  # NaN is refused too
-            raise _error("availableMemoryProportion must be in (0,1]")
+            raise BuilderError("availableMemoryProportion must be in (0,1]")
         if self.nodeHasAttribute(AVAILABLE_MEMORY, names):
             self.removeNodeAttribute(AVAILABLE_MEMORY, names)
         self._add_typed(AVAILABLE_MEMORY, AttributeProto.FLOAT, float(proportion), names)
 
-    def setSerializeMatMul(self: Builder, nodeOutputName: str | Sequence[str], mode: str,
+    def setSerializeMatMul(self: Any, nodeOutputName: str | Sequence[str], mode: str,
                            factor: int = 0, keep_precision: bool = False) -> None:
         """``__serialize_matmul_mode`` (STRING), ``__serialize_matmul_factor`` (INT) and
         ``__serialize_matmul_precision`` (INT 0/1) on a node; mode "none" writes nothing
@@ -477,11 +444,11 @@ class NodeSettings:
             self._add_typed(SERIALIZE_MATMUL_PRECISION, AttributeProto.INT,
                             int(bool(keep_precision)), nodeOutputName)
         elif mode != _SERIALIZE_MODES[3]:
-            raise _error(f"Unsupported mat mul serialization mode '{mode}'. Supported modes "
-                         f"are '{_SERIALIZE_MODES[0]}', '{_SERIALIZE_MODES[1]}', "
-                         f"'{_SERIALIZE_MODES[2]}' or '{_SERIALIZE_MODES[3]}'")
+            raise BuilderError(f"Unsupported mat mul serialization mode '{mode}'. Supported modes "
+                               f"are '{_SERIALIZE_MODES[0]}', '{_SERIALIZE_MODES[1]}', "
+                               f"'{_SERIALIZE_MODES[2]}' or '{_SERIALIZE_MODES[3]}'")
 
-    def setPartialsType(self: Builder, nodeOutputName: str, partialsType: str) -> None:
+    def setPartialsType(self: Any, nodeOutputName: str, partialsType: str) -> None:
         """``__partials_type`` (STRING, as given) on a Conv or MatMul (builder.cpp
         Builder::setPartialsType); a type other than float or half (any letter case) is refused
         here with the error PopART's op gives when the session is made. The xla backend
@@ -493,20 +460,20 @@ class NodeSettings:
                             f"{partialsType!r}")
         op_type = self._node(nodeOutputName).op_type
         if op_type not in ("Conv", "MatMul"):
-            raise _error(f"Builder::setPartialsType should only be called on operators: Conv, "
-                         f"MatMul; but was given: {op_type}")
+            raise BuilderError(f"Builder::setPartialsType should only be called on operators: "
+                               f"Conv, MatMul; but was given: {op_type}")
         problem = _partials_problem(op_type, partialsType)
         if problem:
-            raise _error(problem)
+            raise BuilderError(problem)
         self._add_typed(PARTIALS_TYPE, AttributeProto.STRING, partialsType, nodeOutputName)
 
-    def getPartialsType(self: Builder, nodeOutputName: str) -> str:
+    def getPartialsType(self: Any, nodeOutputName: str) -> str:
         # builder.cpp Builder::getPartialsType: the node's, else Poplar's default "FLOAT"
         if self.nodeHasAttribute(PARTIALS_TYPE, nodeOutputName):
             return self.getStringNodeAttribute(PARTIALS_TYPE, nodeOutputName)
         return "FLOAT"
 
-    def setEnableConvDithering(self: Builder, nodeOutputName: str,
+    def setEnableConvDithering(self: Any, nodeOutputName: str,
                                enableConvDithering: int) -> None:
         """``__enable_conv_dithering`` (INT 0/1) on a Conv (builder.cpp
         Builder::setEnableConvDithering). Has no effect off the IPU: dithering varies the tile
@@ -514,14 +481,14 @@ class NodeSettings:
         value = (int(enableConvDithering) if isinstance(enableConvDithering, bool) else
                  _int64(enableConvDithering, "setEnableConvDithering(): enableConvDithering"))
         if value not in (0, 1):
-            raise _error("enableConvDithering must be a bool value")
+            raise BuilderError("enableConvDithering must be a bool value")
         op_type = self._node(nodeOutputName).op_type
         if op_type != "Conv":
-            raise _error(f"Builder::setEnableConvDithering should only be called on "
-                         f"convolutions but was given: {op_type}")
+            raise BuilderError(f"Builder::setEnableConvDithering should only be called on "
+                               f"convolutions but was given: {op_type}")
         self._add_typed(ENABLE_CONV_DITHERING, AttributeProto.INT, value, nodeOutputName)
 
-    def setInplacePreferences(self: Builder, nodeOutputName: str,
+    def setInplacePreferences(self: Any, nodeOutputName: str,
                               prefs: Mapping[str, float]) -> None:
         """``__inplace_op_names`` (STRINGS) and ``__inplace_op_priorities`` (FLOATS), by op
         name (builder.hpp Builder::setInplacePreferences). Has no effect off the IPU: XLA
@@ -535,7 +502,7 @@ class NodeSettings:
         self._add_typed(INPLACE_OP_PRIORITIES, AttributeProto.FLOATS,
                         [float(np.float32(prefs[n])) for n in names], nodeOutputName)
 
-    def excludePatterns(self: Builder, nodeOutputName: str | Sequence[str],
+    def excludePatterns(self: Any, nodeOutputName: str | Sequence[str],
                         patternNames: Sequence[str]) -> None:
         """``__exclude_patterns`` (STRINGS): PopART patterns not to apply to the node
         (builder.hpp Builder::excludePatterns). Has no effect off the IPU: the xla backend
