@@ -1,8 +1,11 @@
-"""The kit's exceptions: one tree, so ``except pk.PopartKitError`` catches every refusal.
+"""The kit's exceptions: one tree, so ``except pk.PopartKitError`` catches every refusal but
+the Builder's, which are PopART's own ``popart_exception`` (``PopartException``).
 
 ::
 
     ValueError
+    ├── PopartException           PopART's popart_exception (the drop-in's errors, and the
+    │                             Builder's BuilderError)
     └── PopartKitError            anything the kit refuses; ``.rules`` holds the rule ids
         ├── ConfigError           a configuration: SessionConfig, its sections, config files,
         │   │                     POPDIST_* variables, optimizer settings, session arguments

@@ -245,3 +245,21 @@ def test_a_pipelined_session_writes_its_profiling_report(tmp_path):
     rows = dict(profiling.summary(tmp_path))  # the report is well-formed
     assert rows["backend"] == "XlaTrainingBackend" and rows["runs"] == "2", rows
     assert (tmp_path / "trace").is_dir()
+
+
+@pytest.mark.parametrize("acc, bps, per_run", [(3, 2, 2), (1, 4, 4)])
+def test_the_state_counts_a_pipelined_run_s_weight_updates(acc, bps, per_run):
+    """With accumulation a run makes bps updates; without, one per micro-batch - counted in
+    the committed state as the unpipelined paths count them."""
+    model, x, y, loss, _ = mlp(2)
+    cfg = pk.SessionConfig(mode="training", batches_per_step=bps, accumulation={"factor": acc},
+                           ipus_per_replica=2, pipeline={"enabled": True},
+                           device={"target": "offline"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pk.PopartKitWarning)
+        sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(LR), backend="xla")
+    assert sess.schedule is not None
+    feed = sess.io.allocate_inputs("random")
+    for _ in range(2):
+        sess.run(feed)
+    assert int(sess.runtime.state.updates) == 2 * per_run

@@ -248,6 +248,7 @@ class PipelineExecutor:
         self.programs: list[Any] = []  # stage programs compile as they first run
         self.memory: dict[str, int] = {}
         self.specs = self._specs()
+        self._updates_per_run = sum(a.kind == "U" for a in self.schedule.for_stage(0))
         self._runners: dict[int, StageRunner] = {}
         self.processes: Any = None  # StageProcesses, with pipeline_workers="processes"
         self._sums: dict[int, Callable] = {}  # stage -> its gradients' sum over instances
@@ -501,11 +502,10 @@ class PipelineExecutor:
             return StepResult(anchors)
         stage_states = [s for s in ctx.states if s is not None]
         every = set(f.trained)
-        updates = max(int(s.updates) for s in stage_states)
         new = SessionState(
             {**state.weights, **{k: v for s in stage_states for k, v in s.weights.items()}},
             _merge([s.optimizer for s in stage_states], every),
-            f.placement.put_everywhere(np.int32(updates)))
+            state.updates + self._updates_per_run)  # counted, not fetched from the stages
         flags = None
         if f.check_finite:
             losses = np.stack([kept[(f.loss, m)] for m in range(f.shape.micro_batches)]
