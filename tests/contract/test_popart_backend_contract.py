@@ -17,35 +17,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import config_dicts
+from strict_popart import (
+    MANIFEST,
+    DeviceCall,
+    EnumMember,
+    created_sessions,
+    make_popart_module,
+    option_mismatches,
+    run_pattern,
+    session_record,
+    stepio_arrays,
+    weights_io_arrays,
+)
 
 import popart_kit as pk
-
-try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (
-        MANIFEST,
-        DeviceCall,
-        EnumMember,
-        created_sessions,
-        make_popart_module,
-        option_mismatches,
-        run_pattern,
-        session_record,
-        stepio_arrays,
-        weights_io_arrays,
-    )
-except ImportError:
-    from strict_popart import (
-        MANIFEST,
-        DeviceCall,
-        EnumMember,
-        created_sessions,
-        make_popart_module,
-        option_mismatches,
-        run_pattern,
-        session_record,
-        stepio_arrays,
-        weights_io_arrays,
-    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -12,31 +12,19 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from strategies import config_dicts
+from strict_popart import (
+    BROKEN_OPTIONS,
+    MANIFEST,
+    DeviceCall,
+    EnumMember,
+    make_popart_module,
+    set_log,
+    to_plain,
+)
 
 import popart_kit as pk
 from popart_kit._base import names as _names
 from popart_kit._config import catalog
-
-try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (
-        BROKEN_OPTIONS,
-        MANIFEST,
-        DeviceCall,
-        EnumMember,
-        make_popart_module,
-        set_log,
-        to_plain,
-    )
-except ImportError:
-    from strict_popart import (
-        BROKEN_OPTIONS,
-        MANIFEST,
-        DeviceCall,
-        EnumMember,
-        make_popart_module,
-        set_log,
-        to_plain,
-    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -26,39 +26,22 @@ import onnx.numpy_helper
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strict_popart import (
+    MANIFEST,
+    RANDOM_OPS,
+    DeviceCall,
+    created_sessions,
+    make_popart_module,
+    optimizer_record,
+    option_mismatches,
+    run_pattern,
+    session_record,
+    stepio_arrays,
+    trained_pattern,
+    weights_io_arrays,
+)
 
 import popart_kit as pk
-
-try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (
-        MANIFEST,
-        RANDOM_OPS,
-        DeviceCall,
-        created_sessions,
-        make_popart_module,
-        optimizer_record,
-        option_mismatches,
-        run_pattern,
-        session_record,
-        stepio_arrays,
-        trained_pattern,
-        weights_io_arrays,
-    )
-except ImportError:
-    from strict_popart import (
-        MANIFEST,
-        RANDOM_OPS,
-        DeviceCall,
-        created_sessions,
-        make_popart_module,
-        optimizer_record,
-        option_mismatches,
-        run_pattern,
-        session_record,
-        stepio_arrays,
-        trained_pattern,
-        weights_io_arrays,
-    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 

@@ -16,27 +16,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strict_popart import (
+    MANIFEST,
+    first_run_check,
+    make_popart_module,
+    simulate_run,
+    stepio_arrays,
+    stepio_callbacks,
+)
 
 import popart_kit as pk
-
-try:  # tests/contract is not a package today; keep working if it becomes one
-    from .strict_popart import (
-        MANIFEST,
-        first_run_check,
-        make_popart_module,
-        simulate_run,
-        stepio_arrays,
-        stepio_callbacks,
-    )
-except ImportError:
-    from strict_popart import (
-        MANIFEST,
-        first_run_check,
-        make_popart_module,
-        simulate_run,
-        stepio_arrays,
-        stepio_callbacks,
-    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 
