@@ -32,7 +32,7 @@ from .builder_base import (
     signature,
 )
 from .builder_settings import NodeSettings, scope_attributes
-from .graphcore_ops import GRAPHCORE_OPS, REQUIRED
+from .graphcore import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 from .onnx_ops import OpSignature, signatures
 
@@ -333,37 +333,34 @@ class _AiGraphcore:
     def __dir__(self) -> list[str]:
         return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu"})
 
-    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str:
-        op_type, params, shape_rule = GRAPHCORE_OPS[method]
-        names = [p[0] for p in params] + ["debugContext"]
+    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str | list[str]:
+        entry = GRAPHCORE_OPS[method]
+        names = [p[0] for p in entry.params] + ["debugContext"]
         if len(rest) > len(names) or set(kwargs) - set(names):
             raise TypeError(f"aiGraphcore.{method}(args, {', '.join(names)}): got "
                             f"{len(rest)} positional and {sorted(kwargs)}")
         given = dict(zip(names, rest, strict=False)) | kwargs
         inputs = [args] if isinstance(args, str) else list(args)
         attrs: dict[str, Any] = {}
-        for pname, kind, default in params:
+        for pname, kind, default in entry.params:
             value = given.get(pname, default)
             if value is REQUIRED:
                 raise TypeError(f"aiGraphcore.{method}: missing argument {pname!r}.")
-            attrs[pname] = {"float": float, "int": int, "str": str}.get(
-                kind, lambda v: [int(i) for i in v])(value)
+            value = entry.convert(pname, kind, value)
+            if value is not None:
+                attrs[pname] = value
         builder = self._builder
-        source = builder._types[inputs[0]].tensor_type if inputs and inputs[0] in \
-            builder._types else None
-        shape = ([d.dim_value for d in source.shape.dim]
-                 if source is not None and source.HasField("shape") else None)
-        if shape is not None and shape_rule == "reshape":
-            shape = list(attrs["shape"])
-        elif shape is not None and shape_rule == "subsample":
-            shape = [-(-d // s) for d, s in zip(shape, attrs["strides"], strict=False)]
-        elif shape is not None and shape_rule == "slice":
-            for axis, size in zip(attrs["axes"], attrs["sizes"], strict=True):
-                shape[axis] = size
-        out_type = helper.make_tensor_type_proto(
-            source.elem_type if source is not None else onnx.TensorProto.FLOAT, shape)
-        return builder._add_node(op_type, inputs, 1, attrs, given.get("debugContext", ""),
-                                 domain=AI_GRAPHCORE, out_type=out_type)[0]
+        count = attrs.pop(entry.outputs) if isinstance(entry.outputs, str) else entry.outputs
+        in_types = [builder._tensor_type_of(t) for t in inputs if t in builder._types]
+        try:
+            out_types = [helper.make_tensor_type_proto(dtype, shape)
+                         for dtype, shape in entry.infer(in_types, attrs)][:count]
+        except (ValueError, IndexError, KeyError) as err:
+            raise BuilderError(f"aiGraphcore.{method} on {inputs}: {err}") from None
+        ids = builder._add_node(entry.op_type, inputs, count, attrs,
+                                given.get("debugContext", ""), domain=AI_GRAPHCORE,
+                                out_types=out_types)
+        return ids if entry.returns_list else ids[0]
 
 
 class Builder(NodeSettings):
@@ -441,7 +438,7 @@ class Builder(NodeSettings):
     def _add_node(self, op_type: str, inputs: list[str], outputs: int, attrs: dict[str, Any],
                   name: str, domain: str = "", data: onnx.TensorProto | None = None,
                   custom_type: tuple[str, str | None] | None = None,
-                  out_type: onnx.TypeProto | None = None) -> list[str]:
+                  out_types: Sequence[onnx.TypeProto] | None = None) -> list[str]:
         """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
         mistake fails here, naming the op."""
         debug_name(name, f"{op_type}: debugContext")
@@ -462,7 +459,7 @@ class Builder(NodeSettings):
         # ...), by name, as PopART's BuilderImpl::finalizeOp adds them after the op's own
         node.attribute.extend(scope_attributes(self._scopes))
         try:
-            types = ({ids[0]: out_type} if out_type is not None else
+            types = (dict(zip(ids, out_types, strict=False)) if out_types is not None else
                      self._custom_types(ids[0], custom_type) if custom_type else
                      self._infer(node, domain))
         except onnx.shape_inference.InferenceError as err:
@@ -484,6 +481,12 @@ class Builder(NodeSettings):
         return dict(onnx.shape_inference.infer_node_outputs(
             schema, node, inputs, data or None,
             opset_imports=[helper.make_opsetid("", self._onnx_version)]))
+
+    def _tensor_type_of(self, tensor: str) -> tuple[int, list[int] | None]:
+        """``tensor``'s (ONNX elem type, shape or None when unknown)."""
+        found = self._types[tensor].tensor_type
+        shape = ([d.dim_value for d in found.shape.dim] if found.HasField("shape") else None)
+        return found.elem_type, shape
 
     def _custom_types(self, output: str, custom: tuple[str, str | None]
                       ) -> dict[str, onnx.TypeProto]:

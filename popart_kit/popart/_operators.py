@@ -31,7 +31,7 @@ class OperatorIdentifier:
 
 
 def _lowered() -> set[tuple[str, str]]:
-    from .._runtime.xla.ops import OPS  # the xla backend's operators (imports JAX)
+    from .._runtime.xla.op_table import OPS  # the xla backend's operators (imports JAX)
 
     return set(OPS)
 

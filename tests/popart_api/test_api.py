@@ -14,7 +14,7 @@ import pytest
 
 import popart_kit.popart as popart
 from popart_kit._config import catalog
-from popart_kit._model.graphcore_ops import GRAPHCORE_OPS
+from popart_kit._model.graphcore import GRAPHCORE_OPS
 
 CONTRACT = Path(__file__).parent.parent / "contract"
 API = json.loads((CONTRACT / "popart_api.json").read_text())
@@ -160,7 +160,7 @@ def test_reserved_prefixes():
 @pytest.mark.parametrize("method", sorted(GRAPHCORE_OPS))
 def test_graphcore_ops_have_popart_signatures(method):
     spec = BUILDER_OPS["ai_graphcore"][method]
-    op_type, params, _ = GRAPHCORE_OPS[method]
+    params = GRAPHCORE_OPS[method].params
     popart_params = [p for p in spec["params"][1:] if p != "debugContext"]
     assert [p[0] for p in params] == popart_params[:len(params)]
     for name, _, default in params:

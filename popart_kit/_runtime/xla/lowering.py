@@ -38,9 +38,9 @@ from ..._base.problems import raise_errors
 from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
 from ...errors import InvalidModel, ModelError, clip
+from .op_table import OPS
 from .ops import (
     GRAPHCORE,
-    OPS,
     UNKNOWN,
     Ctx,
     NotSupported,
@@ -66,7 +66,7 @@ class UnsupportedModel(ModelError):
         super().__init__(f"the xla backend cannot run this model ({len(self.problems)} "
                          f"problem(s)):\n{lines}\nFix: express these nodes with the operators "
                          f"and attribute values the xla backend implements (see "
-                         f"popart_kit._runtime.xla.ops.OPS), or run on the popart backend.")
+                         f"popart_kit._runtime.xla.op_table.OPS), or run on the popart backend.")
 
 
 class NodeFailed(ModelError):

@@ -1389,7 +1389,7 @@ def popart_gelu(ctx: Ctx, x: Any) -> Any:
     return _gelu(x)
 
 
-# -- the other ai.graphcore operators the Builder offers (popart_kit/_graphcore_ops.py) ---------
+# -- the other ai.graphcore operators the Builder offers (popart_kit/_model/graphcore/) ---------
 
 
 @op("Scale", domain=GRAPHCORE)
