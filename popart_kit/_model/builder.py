@@ -442,7 +442,7 @@ class Builder(NodeSettings):
         """Add a node; its outputs are typed at once (ONNX inference, as PopART does), so a
         mistake fails here, naming the op."""
         debug_name(name, f"{op_type}: debugContext")
-        unknown = [t for t in inputs if t not in self._types]
+        unknown = [t for t in inputs if t and t not in self._types]  # "": omitted optional input
         if unknown:
             raise BuilderError(f"{op_type}: unknown tensor(s) {unknown}; inputs must be tensors "
                                f"of this builder.")
@@ -476,7 +476,7 @@ class Builder(NodeSettings):
 
     def _infer(self, node: onnx.NodeProto, domain: str) -> dict[str, onnx.TypeProto]:
         schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
-        inputs = {t: self._types[t] for t in node.input}
+        inputs = {t: self._types[t] for t in node.input if t}
         data = {t: self._data[t] for t in node.input if t in self._data}
         return dict(onnx.shape_inference.infer_node_outputs(
             schema, node, inputs, data or None,

@@ -1,6 +1,7 @@
 """The xla backend's whole operator table: :data:`OPS` from :mod:`.ops` with every family module
 that registers more operators into it imported. Read the table from here."""
 
+from . import ops_graphcore, ops_graphcore_nn, ops_resize, ops_rnn  # noqa: F401 - they register
 from .ops import OPS
 
 __all__ = ["OPS"]

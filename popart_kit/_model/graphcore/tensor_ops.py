@@ -1,0 +1,1 @@
+"""PopART's ai.graphcore tensor operators (filled in by the aiGraphcore work)."""
