@@ -25,7 +25,8 @@ import pytest
 from onnx import numpy_helper
 
 from popart_kit._runtime.xla.lowering import UnsupportedModel, lower
-from popart_kit._runtime.xla.ops import GRAPHCORE, OPS
+from popart_kit._runtime.xla.op_table import OPS
+from popart_kit._runtime.xla.ops import GRAPHCORE
 
 PASS_RATE = 0.95
 GROUP = 100  # cases per compilation
