@@ -234,7 +234,7 @@ INVALID = {
     "dangling input": (model([helper.make_node("Relu", ["q"], ["y"])]),
                        "K-model-undefined-input"),
     "shape mistake": (model([helper.make_node("MatMul", ["x", "x"], ["y"], name="mm")]),
-                      "K-model-onnx-checker"),
+                      "K-model-onnx-inference"),
 }
 
 

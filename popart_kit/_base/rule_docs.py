@@ -273,7 +273,14 @@ RULES: dict[str, tuple[str, str]] = {
                      "replaced whole or not at all; a failed write leaves the old file.",
                      "kit rule: PopART writes its files in place"),
     "K-model-decode": ("The bytes are an ONNX model.", "onnx."),
-    "K-model-onnx-checker": ("The model passes onnx.checker.", "PopART runs the checker."),
+    "K-model-onnx-checker": ("The model passes onnx.checker's structural check.",
+                             "PopART runs the same check (builder_impl.cpp, "
+                             "graphtransformer_impl.cpp: checker::check_model)."),
+    "K-model-onnx-inference": ("The model passes ONNX's strict shape and type inference (types "
+                               "each operator's schema lists, consistent shapes).",
+                               "PopART infers leniently (InferShapes, builder_impl.cpp "
+                               "runShapeInference) and its ops take more types (UINT32 "
+                               "indices)."),
     "K-model-cycle": ("The graph has no cycle.", "onnx."),
     "K-model-undefined-input": ("Every node input is defined.", "onnx."),
     "K-model-duplicate-input": ("No graph input twice.", "onnx."),
@@ -309,7 +316,7 @@ RULES: dict[str, tuple[str, str]] = {
 #: Kit rules stricter than PopART: PopART runs what they refuse. A PopART program (run through
 #: ``popart_kit.popart``) gets a warning for them instead of an error; a ``pk`` session the
 #: error.
-POPART_RUNS = frozenset({"K-no-weights"})
+POPART_RUNS = frozenset({"K-no-weights", "K-model-onnx-inference"})
 
 
 def markdown() -> str:

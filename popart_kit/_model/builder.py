@@ -220,6 +220,36 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
     return ids if op.returns_list else ids[0]
 
 
+def _listed_types(schema: onnx.defs.OpSchema, node: onnx.NodeProto,
+                  inputs: Mapping[str, onnx.TypeProto]) -> dict[str, onnx.TypeProto] | None:
+    """``inputs`` with each tensor whose type the schema does not list for its position given
+    the nearest listed integer (INT64, INT32) or float (FLOAT) type; None if none changes."""
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    out, changed = dict(inputs), False
+    for i, name in enumerate(node.input):
+        if not name or not schema.inputs:
+            continue
+        formal = schema.inputs[min(i, len(schema.inputs) - 1)]
+        options = allowed.get(formal.type_str)
+        tensor = inputs[name].tensor_type
+        if not options or not inputs[name].HasField("tensor_type"):
+            continue
+        given = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        if f"tensor({onnx.helper.tensor_dtype_to_string(tensor.elem_type)[12:].lower()})" \
+                in options:
+            continue
+        kinds = ("INT64", "INT32") if given.kind in "iu" else ("FLOAT",) if given.kind == "f" \
+            else ()
+        for kind in kinds:
+            if f"tensor({kind.lower()})" in options:
+                out[name] = onnx.TypeProto()
+                out[name].CopyFrom(inputs[name])
+                out[name].tensor_type.elem_type = getattr(onnx.TensorProto, kind)
+                changed = True
+                break
+    return out if changed else None
+
+
 def _known_shape(builder: Builder, tensor: str) -> list[int] | None:
     try:
         return builder.getTensorShape(tensor)
@@ -475,12 +505,28 @@ class Builder(NodeSettings):
         return ids
 
     def _infer(self, node: onnx.NodeProto, domain: str) -> dict[str, onnx.TypeProto]:
+        """The outputs' types by ONNX inference. An input of a type the ONNX schema does not
+        list (UINT32 indices of a Gather) is inferred as its nearest listed type: PopART runs
+        ONNX's inference leniently and its ops take such types."""
         schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
         inputs = {t: self._types[t] for t in node.input if t}
         data = {t: self._data[t] for t in node.input if t in self._data}
-        return dict(onnx.shape_inference.infer_node_outputs(
-            schema, node, inputs, data or None,
-            opset_imports=[helper.make_opsetid("", self._onnx_version)]))
+
+        def infer(types: dict[str, onnx.TypeProto]) -> dict[str, onnx.TypeProto]:
+            return dict(onnx.shape_inference.infer_node_outputs(
+                schema, node, types, data or None,
+                opset_imports=[helper.make_opsetid("", self._onnx_version)]))
+
+        try:
+            return infer(inputs)
+        except onnx.checker.ValidationError as err:
+            relaxed = _listed_types(schema, node, inputs)
+            try:
+                if relaxed is not None:
+                    return infer(relaxed)
+            except onnx.checker.ValidationError:
+                pass
+            raise onnx.shape_inference.InferenceError(str(err)) from None
 
     def _tensor_type_of(self, tensor: str) -> tuple[int, list[int] | None]:
         """``tensor``'s (ONNX elem type, shape or None when unknown)."""

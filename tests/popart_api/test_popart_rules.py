@@ -218,3 +218,25 @@ def test_a_random_session_takes_a_seed_only_after_prepare_device():
     session.prepareDevice()
     session.setRandomSeed(1)
     assert session.getRandomSeed() == 1
+
+
+def test_uint32_indices_build_and_run_as_in_popart_and_a_pk_session_refuses_them():
+    """ONNX's schema lists int32/int64 indices only; PopART's Builder infers leniently and its
+    Gather takes UINT32 indices. The drop-in runs the model (warning K-model-onnx-inference),
+    a pk session refuses it."""
+    b = popart.Builder()
+    data = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 3]))
+    idx = b.addInputTensor(popart.TensorInfo("UINT32", [2]))
+    out = b.aiOnnx.gather([data, idx], axis=0)
+    assert b.getTensorShape(out) == [2, 3] and b.getTensorDtypeString(out) == "float"
+    flow = popart.DataFlow(1, {out: popart.AnchorReturnType("All")})
+    with pytest.warns(pk.PopartKitWarning, match="K-model-onnx-inference"):
+        session = popart.InferenceSession(b.getModelProto(), flow, _cpu())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    session.run(popart.PyStepIO({data: table, idx: np.array([3, 1], np.uint32)}, anchors))
+    np.testing.assert_array_equal(anchors[out], table[[3, 1]])
+    cfg = pk.SessionConfig(mode="inference", device={"target": "offline"})
+    with pytest.raises(pk.InvalidModel, match="K-model-onnx-inference"):
+        pk.InferenceSession(b.getModelProto(), cfg, anchors={out: "All"}, backend="xla")
