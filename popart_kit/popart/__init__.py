@@ -40,6 +40,7 @@ from ._core import (
     poplar_unrecoverable_runtime_error,
 )
 from ._devices import DeviceInfo, DeviceManager
+from ._graph_transformer import GraphTransformer
 from ._operators import OperatorIdentifier, getSupportedOperations, getUnsupportedOperations
 from ._optimizers import SGD, Adam, ConstSGD, Optimizer, OptimizerValue
 from ._options import STRUCTS, SessionOptions
@@ -92,5 +93,5 @@ __all__ = [
     "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
     "getLogger", "versionString", "OperatorIdentifier", "getSupportedOperations",
-    "getUnsupportedOperations", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
+    "getUnsupportedOperations", "GraphTransformer", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
 ]

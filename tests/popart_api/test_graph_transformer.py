@@ -1,0 +1,96 @@
+"""popart.GraphTransformer: the edited models are valid ONNX and compute what the originals
+compute (onnxruntime as the oracle), with PopART's refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import popart_kit.popart as popart
+
+
+def _run(model_bytes, feeds):
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def _model(dtype, values, extra_input=False):
+    x = helper.make_tensor_value_info("x", dtype, list(values.shape))
+    y = helper.make_tensor_value_info("y", dtype, list(values.shape))
+    inputs = [x] + ([helper.make_tensor_value_info("unused", dtype, [1])] if extra_input else [])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g", inputs, [y],
+        [numpy_helper.from_array(values, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("method, source, target", [
+    ("convertFloatsToHalfs", np.float32, np.float16),
+    ("convertDoublesToFloats", np.float64, np.float32),
+    ("convertDoublesToHalfs", np.float64, np.float16),
+    ("convertINT64ToINT32", np.int64, np.int32),
+    ("convertINT16ToINT32", np.int16, np.int32),
+    ("convertINT8ToINT32", np.int8, np.int32),
+    ("convertUINT8ToINT32", np.uint8, np.int32),
+    ("convertUINT16ToINT32", np.uint16, np.int32),
+])
+def test_conversions_retype_every_tensor_and_keep_the_values(method, source, target):
+    values = np.arange(6).reshape(2, 3).astype(source)
+    model = _model(helper.np_dtype_to_tensor_dtype(np.dtype(source)), values)
+    transformer = popart.GraphTransformer(model.SerializeToString())
+    getattr(transformer, method)()
+    converted = onnx.load_from_string(transformer.getModelProto())
+    onnx.checker.check_model(converted, full_check=True)
+    x = (np.arange(6).reshape(2, 3) % 3).astype(source)
+    if source in (np.float32, np.float64, np.int64):  # Add types onnxruntime implements
+        expected = _run(model.SerializeToString(), {"x": x})[0]
+        got = _run(transformer.getModelProto(), {"x": x.astype(target)})[0]
+        assert got.dtype == target
+        np.testing.assert_allclose(got, expected.astype(target))
+    np.testing.assert_array_equal(numpy_helper.to_array(converted.graph.initializer[0]),
+                                  values.astype(target), strict=True)
+    assert converted.graph.input[0].type.tensor_type.elem_type == \
+        helper.np_dtype_to_tensor_dtype(np.dtype(target))
+
+
+def test_int64_out_of_int32_range_is_refused_unless_clipped():
+    values = np.array([2**40, -(2**40), 5], np.int64)
+    model = _model(TensorProto.INT64, values).SerializeToString()
+    with pytest.raises(popart.popart_exception, match="set 'clip' to 'true'"):
+        popart.GraphTransformer(model).convertINT64ToINT32()
+    transformer = popart.GraphTransformer(model)
+    transformer.convertINT64ToINT32(clip=True)
+    got = numpy_helper.to_array(onnx.load_from_string(transformer.getModelProto())
+                                .graph.initializer[0])
+    np.testing.assert_array_equal(got, [2**31 - 1, -(2**31), 5])
+
+
+def test_initializers_become_constants_and_unused_inputs_go():
+    values = np.arange(3, dtype=np.int32)
+    model = _model(TensorProto.INT32, values, extra_input=True)
+    model.graph.input.append(helper.make_tensor_value_info("w", TensorProto.INT32, [3]))
+    transformer = popart.GraphTransformer(model.SerializeToString())
+    transformer.convertAllFixedPointInitializersToConstants()
+    transformer.removeUnusedInputs()
+    out = onnx.load_from_string(transformer.getModelProto())
+    assert [i.name for i in out.graph.input] == ["x"]
+    assert not out.graph.initializer and out.graph.node[0].op_type == "Constant"
+    x = np.array([1, 2, 3], np.int32)
+    np.testing.assert_array_equal(_run(transformer.getModelProto(), {"x": x})[0], x + values)
+    with pytest.raises(popart.popart_exception, match="not in the model initalizers"):
+        transformer.convertInitializersToConstants(["nope"])
+
+
+def test_batch_normalization_gets_its_training_outputs():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3, 4, 4]))
+    params = [b.addInitializedInputTensor(np.ones(3, np.float32)) for _ in range(4)]
+    (y,) = b.aiOnnx.batchnormalization([x, *params], 1)
+    b.addOutputTensor(y)
+    transformer = popart.GraphTransformer(b.getModelProto())
+    transformer.prepareNodesForTraining()
+    node = onnx.load_from_string(transformer.getModelProto()).graph.node[0]
+    assert len(node.output) == 5 and node.output[1].startswith("BatchNormalization_")
