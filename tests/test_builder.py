@@ -71,7 +71,7 @@ def test_model_is_valid_onnx_with_popart_s_opsets():
     onnx.checker.check_model(model)
     assert {(o.domain, o.version) for o in model.opset_import} == {("", 10),
                                                                    ("ai.graphcore", 1)}
-    assert b.getTensorShape(loss) == [] and b.getTensorDtypeString(loss) == "float"
+    assert b.getTensorShape(loss) == [] and b.getTensorDtypeString(loss) == "float32"
 
 
 def test_mlp_runs_in_onnxruntime():

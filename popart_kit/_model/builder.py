@@ -80,6 +80,11 @@ class InputSettings:
         return self._mode
 
 
+def _lcase(type_name: str) -> str:
+    """PopART's lower-case data type name (numpy's: FLOAT is float32, DOUBLE float64)."""
+    return {"FLOAT": "float32", "DOUBLE": "float64"}.get(type_name, type_name.lower())
+
+
 def _dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
         if dtype.upper() in _DTYPES:
@@ -120,7 +125,7 @@ class TensorInfo:
         return self._type
 
     def data_type_lcase(self) -> str:
-        return self._type.lower()
+        return _lcase(self._type)
 
     def __repr__(self) -> str:
         return f"TensorInfo({self._type!r}, {self._shape})"
@@ -653,7 +658,7 @@ class Builder(NodeSettings):
         tensor = self._tensor_type(id)
         if not tensor.elem_type:
             raise BuilderError(f"the data type of {id!r} is not known.")
-        return onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+        return _lcase(onnx.TensorProto.DataType.Name(tensor.elem_type))
 
     # -- attributes -----------------------------------------------------------------------------
 

@@ -228,7 +228,7 @@ def test_uint32_indices_build_and_run_as_in_popart_and_a_pk_session_refuses_them
     data = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 3]))
     idx = b.addInputTensor(popart.TensorInfo("UINT32", [2]))
     out = b.aiOnnx.gather([data, idx], axis=0)
-    assert b.getTensorShape(out) == [2, 3] and b.getTensorDtypeString(out) == "float"
+    assert b.getTensorShape(out) == [2, 3] and b.getTensorDtypeString(out) == "float32"
     flow = popart.DataFlow(1, {out: popart.AnchorReturnType("All")})
     with pytest.warns(pk.PopartKitWarning, match="K-model-onnx-inference"):
         session = popart.InferenceSession(b.getModelProto(), flow, _cpu())
