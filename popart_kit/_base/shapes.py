@@ -12,7 +12,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import ConfigError
 
@@ -62,6 +62,13 @@ class StepShape:
         return art.returned_micro_batches(self.batches_per_step, self.accumulation)
 
 
+def _refuse(popart: str, fix: str) -> NoReturn:
+    """A ConfigError with PopART's words (dataflow.cpp), which the drop-in raises as they are."""
+    err = ConfigError(f"{popart}. Fix: {fix}")
+    err.popart_text = popart
+    raise err
+
+
 @dataclass(frozen=True, init=False)
 class AnchorReturnType:
     """How an anchor is returned per run: ``"All"``, ``"Final"``, ``"Sum"`` or ``("EveryN", N)``.
@@ -76,21 +83,19 @@ class AnchorReturnType:
     def __init__(self, name: str, period: int | None = None) -> None:
         canonical = _NAMES.get(name.lower()) if isinstance(name, str) else None
         if canonical is None:
-            raise ConfigError(f"Invalid anchor return type ID supplied: {name}. "
-                             f"Fix: use one of All, Final, Sum, EveryN (any case).")
+            _refuse(f"Invalid anchor return type ID supplied: {name}",
+                    "use one of All, Final, Sum, EveryN (any case).")
         if canonical != "EveryN" and period is not None:
-            raise ConfigError(f"A return period should not be supplied for this anchor return "
-                             f"type ({canonical}, period={period}). Fix: drop the period, or "
-                             f"use EveryN.")
+            _refuse("A return period should not be supplied for this anchor return type",
+                    f"drop the period ({canonical}, period={period}), or use EveryN.")
         if canonical == "EveryN":
             if period is None:
-                raise ConfigError("Must specify return period with option 'EVERYN'. Fix: "
-                                 "AnchorReturnType('EveryN', N) with N dividing batches_per_step.")
+                _refuse("Must specify return period with option 'EVERYN'",
+                        "AnchorReturnType('EveryN', N) with N dividing batches_per_step.")
             period = _count(period)
             if period is None or period <= 0:
-                raise ConfigError(f"Anchor return period must be greater than zero, got "
-                                 f"{period!r}. Fix: a positive integer that divides "
-                                 f"batches_per_step.")
+                _refuse("Anchor return period must be greater than zero",
+                        f"a positive integer that divides batches_per_step, not {period!r}.")
         object.__setattr__(self, "name", canonical)
         object.__setattr__(self, "period", period)
 

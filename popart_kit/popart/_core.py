@@ -161,8 +161,8 @@ class AnchorReturnType:
 
     def rp(self) -> int:
         if self.kit.period is None:
-            raise popart_exception("A return period should not be requested for this anchor "
-                                   f"return type ({self.kit.name}); only EveryN has one.")
+            raise popart_exception("A return period should not be supplied for this anchor "
+                                   "return type")  # PopART's text (dataflow.cpp rp())
         return self.kit.period
 
     def tileSet(self) -> Any:
