@@ -304,7 +304,9 @@ RULES: dict[str, tuple[str, str]] = {
     "K-layout-stages": ("Pipeline stage count in the model and the config agree.", _KIT),
     "K-layout-unstaged": ("A pipelined model has stage annotations.", "V4."),
     "K-one-stage": ("Pipelining a one-stage model (warning).", _KIT),
-    "K-static-shape": ("Inputs have static shapes.", "PopART needs static shapes."),
+    "K-static-shape": ("Graph inputs have static shapes (no dim_param, no negative or missing "
+                       "size).", "PopART refuses them unless InputShapeInfo gives the shape "
+                       "(ir.cpp checkForDimParams), in the same words."),
     "K-xla-unsupported": ("Operators the xla backend lowers.", "xla backend."),
     "K-xla-node-failed": ("A node the xla backend could not compute.", "xla backend."),
     "K-xla-dropout": ("Dropout in training on xla needs a seed.", "xla backend."),

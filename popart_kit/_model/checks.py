@@ -130,6 +130,32 @@ def _graph_problems(model: onnx.ModelProto) -> list[Problem]:
                             "node).", "K-model-cycle"))
 
     out += _attribute_problems(model)
+    out += _input_shape_problems(graph, set(inits))
+    return out
+
+
+def _input_shape_problems(graph: onnx.GraphProto, initializers: set[str]) -> list[Problem]:
+    """Graph inputs whose shape uses a symbolic (``dim_param``) or negative size, as PopART's
+    ``checkForDimParams`` (ir.cpp) refuses them."""
+    out = []
+    for value in graph.input:
+        tensor = value.type.tensor_type
+        if value.name in initializers or not value.type.HasField("tensor_type") \
+                or not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_param if d.HasField("dim_param") else
+                str(d.dim_value) if d.HasField("dim_value") else "?" for d in tensor.shape.dim]
+        unknown = next((d for d, v in zip(dims, tensor.shape.dim, strict=True)
+                        if not v.HasField("dim_value") or v.dim_value < 0), None)
+        if unknown is None:
+            continue
+        shape = f"[{', '.join(dims)}]"
+        text = (f"Input tensor '{value.name}' must be specified in InputShapeInfo, as it has "
+                f"shape {shape}, which uses an unknown value '{unknown}'.")
+        out.append(Problem(("model", "inputs", value.name), text,
+                           "give the input a fixed shape in the model, or its shape in "
+                           "popart.InputShapeInfo (PopART compiles static shapes).",
+                           "K-static-shape", popart=text))
     return out
 
 
@@ -158,6 +184,33 @@ def _cycle(graph: onnx.GraphProto, defined: set[str]) -> list[str]:
     return [_label(n, i) for i, n in enumerate(graph.node) if waiting[i] > 0]
 
 
+#: Attributes PopART reads on ai.onnx operators at opsets whose schema lacks them (its
+#: Resize reads these at opset 10 too): neither the kit's check nor onnx.checker refuses them.
+_POPART_READS = {"Resize": {"nearest_mode", "coordinate_transformation_mode", "exclude_outside"}}
+
+
+def _popart_extra(node: onnx.NodeProto, schema: onnx.defs.OpSchema | None, name: str) -> bool:
+    return (schema is not None and node.domain in ("", "ai.onnx") and name not in
+            schema.attributes and name in _POPART_READS.get(node.op_type, ()))
+
+
+def _without_popart_extras(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy without the attributes of :data:`_POPART_READS` where its schema
+    lacks them (for onnx.checker)."""
+    opsets = _opsets(model)
+    if not any(_popart_extra(node, _schema(node, opsets), a.name) for node in model.graph.node
+               if node.op_type in _POPART_READS for a in node.attribute):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type in _POPART_READS:
+            schema = _schema(node, opsets)
+            for attr in [a for a in node.attribute if _popart_extra(node, schema, a.name)]:
+                node.attribute.remove(attr)
+    return copy
+
+
 def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
     opsets, out = _opsets(model), []
     for i, node in enumerate(model.graph.node):
@@ -165,8 +218,8 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
         if schema is None:
             continue
         for attr in node.attribute:
-            if attr.name.startswith("__"):
-                continue  # PopART's annotations
+            if attr.name.startswith("__") or _popart_extra(node, schema, attr.name):
+                continue  # PopART's annotations, attributes PopART reads
             spec = schema.attributes.get(attr.name)
             if spec is None:
                 allowed = ", ".join(sorted(schema.attributes)) or "none"
@@ -189,6 +242,7 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
 def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     """onnx.checker's structural check (PopART's), then ONNX's strict shape and type inference
     (the kit's: PopART infers leniently, so under popart_kit.popart it only warns)."""
+    model = _without_popart_extras(model)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:

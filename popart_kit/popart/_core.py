@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from .._base.names import GRADIENT_PREFIX
 from .._base.shapes import AnchorReturnType as _KitART
@@ -237,8 +239,8 @@ class DataFlow:
 
 
 class InputShapeInfo:
-    """popart.InputShapeInfo: shapes for inputs the model leaves unknown. Accepted; a model
-    given to a session here must have every input shape set."""
+    """popart.InputShapeInfo: the type and shape of graph inputs the model leaves unknown (a
+    ``dim_param`` or a negative size); a session takes them in place of the model's."""
 
     def __init__(self) -> None:
         self._infos: dict[str, TensorInfo] = {}
@@ -251,6 +253,19 @@ class InputShapeInfo:
 
     def has(self, id: str) -> bool:  # noqa: A002
         return id in self._infos
+
+    def shaped(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """A copy of ``model`` whose graph inputs named here have the given type and shape."""
+        if not self._infos:
+            return model
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        for value in out.graph.input:
+            info = self._infos.get(value.name)
+            if info is not None:
+                value.type.CopyFrom(helper.make_tensor_type_proto(
+                    getattr(onnx.TensorProto, info.dataType()), info.shape()))
+        return out
 
 
 #: PopART's graph patterns (willow/src/patterns/*.cpp, each ``PatternCreator<...>(name,

@@ -148,7 +148,7 @@ class _Session:
 
     def __init__(self, mode: str, fnModel: Any, dataFlow: DataFlow, deviceInfo: DeviceInfo,
                  userOptions: SessionOptions | None, loss: str | None = None,
-                 optimizer: Optimizer | None = None) -> None:
+                 optimizer: Optimizer | None = None, inputShapeInfo: Any = None) -> None:
         if not isinstance(dataFlow, DataFlow):
             raise TypeError(f"dataFlow={dataFlow!r}: give popart.DataFlow(batchesPerStep, "
                             f"anchors).")
@@ -160,6 +160,8 @@ class _Session:
         if not isinstance(opts, SessionOptions):
             raise TypeError(f"userOptions={opts!r}: give a popart.SessionOptions().")
         self.model = _load(fnModel)
+        if inputShapeInfo is not None:
+            self.model = inputShapeInfo.shaped(self.model)
         self.dataFlow, self.deviceInfo, self.options = dataFlow, deviceInfo, opts
         self.config = _config(mode, opts, dataFlow, deviceInfo, self.model)
         anchors = {name: art.kit for name, art in dataFlow.returnTypes().items()}
@@ -465,7 +467,8 @@ class InferenceSession(_Session):
                  inputShapeInfo: Any = None, patterns: Any = None,
                  userOptions: SessionOptions | None = None, name: str = "inference") -> None:
         self.name, self.patterns = name, _patterns(patterns)
-        super().__init__("inference", fnModel, dataFlow, deviceInfo, userOptions)
+        super().__init__("inference", fnModel, dataFlow, deviceInfo, userOptions,
+                         inputShapeInfo=inputShapeInfo)
 
 
 class TrainingSession(_Session):
@@ -482,7 +485,8 @@ class TrainingSession(_Session):
             raise TypeError(f"optimizer={optimizer!r}: give popart.SGD, popart.ConstSGD or "
                             f"popart.Adam.")
         self.name, self.patterns, self.optimizer = name, _patterns(patterns), optimizer
-        super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer)
+        super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer,
+                         inputShapeInfo)
 
     def updateOptimizerFromHost(self, optimizer: Optimizer) -> None:
         """New optimizer values for the next runs; PopART's rules: same optimizer type, and a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 
 import popart_kit as pk
@@ -240,3 +241,26 @@ def test_uint32_indices_build_and_run_as_in_popart_and_a_pk_session_refuses_them
     cfg = pk.SessionConfig(mode="inference", device={"target": "offline"})
     with pytest.raises(pk.InvalidModel, match="K-model-onnx-inference"):
         pk.InferenceSession(b.getModelProto(), cfg, anchors={out: "All"}, backend="xla")
+
+
+def test_a_symbolic_input_size_needs_input_shape_info_in_popart_s_words():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 3]), "x")
+    y = b.aiOnnx.relu([x])
+    b.addOutputTensor(y)
+    model = onnx.load_from_string(b.getModelProto())
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    flow = popart.DataFlow(1, {y: popart.AnchorReturnType("All")})
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(model.SerializeToString(), flow, _cpu())
+    assert err.value.args[0] == ("Input tensor 'x' must be specified in InputShapeInfo, as it "
+                                 "has shape [batch, 3], which uses an unknown value 'batch'.")
+    shapes = popart.InputShapeInfo()
+    shapes.add("x", popart.TensorInfo("FLOAT", [2, 3]))
+    session = popart.InferenceSession(model.SerializeToString(), flow, _cpu(),
+                                      inputShapeInfo=shapes)
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    data = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    session.run(popart.PyStepIO({x: data}, anchors))
+    np.testing.assert_array_equal(anchors[y], np.maximum(data, 0))

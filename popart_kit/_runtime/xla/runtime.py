@@ -154,12 +154,6 @@ class XlaBackend:
         out = [Problem(("anchors", a), f"anchor {a!r} is not a tensor of the model.",
                        "anchor an input, a weight or a node output.", "K-anchor-unknown")
                for a in anchors if self._anchor_tensor(a) not in self.graph.tensors]
-        for name, (shape, _) in self.graph.inputs.items():
-            if shape is None or any(not isinstance(d, int) for d in shape):
-                out.append(Problem(("inputs", name), f"input {name!r} has shape {shape}: a "
-                                   f"dimension is symbolic or unknown.",
-                                   "give the input a fixed shape (PopART compiles static "
-                                   "shapes too).", "K-static-shape"))
         doubles = [n for n, (_, d) in self.graph.inputs.items() if np.dtype(d) == np.float64]
         doubles += [n for n, w in self.graph.weights.items() if w.dtype == np.float64]
         out += [Problem(("tensors", n), f"tensor {n!r} is DOUBLE, which PopART does not run "
