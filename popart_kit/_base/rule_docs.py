@@ -83,6 +83,9 @@ RULES: dict[str, tuple[str, str]] = {
             "dataflow.cpp: 'Return period must be a factor of ...'."),
     "V48": ("Automatic loss scaling's update period is a factor or multiple of the accumulation "
             "factor.", "transforms/automaticlossscaling.cpp."),
+    "V49": ("virtual_graph_mode auto finds a split point per IPU.",
+            "PopART's AutoVirtualGraph transform (auto_virtual_graph.cpp: \"Couldn't find enough "
+            "splits\")."),
     # -- configuration ----------------------------------------------------------------------------
     "K-unknown-key": ("A key or keyword a config section, optimizer or session does not have "
                       "(suggests the closest field or PopART option).",

@@ -73,6 +73,7 @@ for _name, _members in {
     "ExchangeStrategy": ["JustInTime", "OverlapInnerLoop", "OverlapLoops", "OverlapStep"],
     "PatternsLevel": ["All", "Default", "Minimal", "NoPatterns"],
     "RecomputeType": ["Undefined", "Checkpoint", "Recompute", "Recomputed"],
+    "IrSerializationFormat": ["JSON"],
     "DataType": ["UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "UINT32", "UINT64",
                  "BOOL", "FLOAT", "FLOAT16", "BFLOAT16", "FLOAT8_143", "FLOAT8_152", "DOUBLE",
                  "COMPLEX64", "COMPLEX128", "STRING", "UNDEFINED"],

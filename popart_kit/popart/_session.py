@@ -41,6 +41,7 @@ from ._core import (
     popart_text,
 )
 from ._devices import DeviceInfo
+from ._ir_json import ir_json
 from ._optimizers import Optimizer
 from ._options import SessionOptions
 
@@ -445,6 +446,11 @@ class _Session:
 
     def getSerializedGraph(self) -> bytes:
         return self._absent("getSerializedGraph")
+
+    def _serializeIr(self, format: Any = None) -> str:  # noqa: A002 - PopART's name
+        """The graph this session runs as PopART's JSON IR (the only format PopART writes):
+        the model's nodes, not PopART's IR after its patterns (see popart._ir_json)."""
+        return ir_json(self._kit.model)
 
 
 def _patterns(patterns: Any) -> Patterns:
