@@ -43,3 +43,21 @@ def test_every_example_config_with_train_py_runs_or_is_refused_clearly() -> None
         assert "Traceback" not in text, f"{config.name}:\n{text[-2000:]}"
         assert proc.returncode == 0 or (proc.returncode == 2 and "does not fit this example"
                                         in text), f"{config.name}: rc {proc.returncode}\n{text}"
+
+
+def test_every_popart_example_runs_unchanged_through_the_drop_in() -> None:
+    """examples/popart_*.py are plain PopART programs (``import popart``); each runs through
+    ``python -m popart_kit.popart`` (what ``popart-kit run`` does) and reports steps whose loss
+    goes down."""
+    import subprocess
+    import sys
+
+    examples = sorted((ROOT / "examples").glob("popart_*.py"))
+    assert len(examples) >= 2
+    for example in examples:
+        proc = subprocess.run([sys.executable, "-m", "popart_kit.popart", str(example)],
+                              capture_output=True, text=True, timeout=240, cwd=ROOT)
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "Traceback" not in text, f"{example.name}:\n{text[-2000:]}"
+        losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", proc.stdout)]
+        assert len(losses) >= 5 and losses[-1] < losses[0], f"{example.name}:\n{proc.stdout}"
