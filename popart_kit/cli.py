@@ -62,6 +62,14 @@ def _entries(exc: PopartKitError) -> list[dict[str, str]]:
     return [{"loc": "(file)", "rule": exc.rule or "", "message": clip(str(exc), 2000)}]
 
 
+def _with_docs(problem: dict[str, str]) -> str:
+    """A problem's message ending as every refusal's does: ``(see docs/rules.md#<rule>)``."""
+    message, rule = problem["message"], problem["rule"]
+    if not rule or "(see docs/rules.md#" in message:
+        return message
+    return f"{message} (see docs/rules.md#{rule})"
+
+
 def _json_problems(source: str, problems: list[dict[str, str]],
                    warnings: list[dict[str, str]] = ()) -> None:
     """The refusal as JSON on stdout: ``{"ok": false, "source", "problems", "warnings"}``."""
@@ -136,8 +144,7 @@ def _check(args: argparse.Namespace) -> int:
         if as_json:
             _json_problems(title, problems, warned)
         else:
-            _problems(err, title, [(p["loc"], f"{p['message']} [{p['rule']}]" if p["rule"]
-                                    else p["message"]) for p in problems])
+            _problems(err, title, [(p["loc"], _with_docs(p)) for p in problems])
         return REFUSED
 
     def rows(found: list) -> list[dict[str, str]]:
@@ -396,7 +403,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                       help="a built-in model (default mlp)")
     what.add_argument("--onnx", metavar="MODEL.onnx", help="time this ONNX model instead")
     what.add_argument("--loss", help="the loss tensor of --onnx when training")
-    what.add_argument("--mode", default="inference", choices=("inference", "training"))
+    what.add_argument("--mode", default="inference", choices=("inference", "training"),
+                      help="time inference runs, or training steps (default inference)")
     what.add_argument("--spec", metavar="FILE", help="named variants from a YAML/TOML spec")
     for flag, default in (("--replication", "1"), ("--batches-per-step", "1"),
                           ("--accumulation", "1"), ("--stages", "1"), ("--instances", "1"),
@@ -411,7 +419,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sizes.add_argument("--heads", type=int, default=4, help="encoder attention heads")
     sizes.add_argument("--image", type=int, default=16, help="convnet image side")
     how = bench.add_argument_group("how")
-    how.add_argument("--backend", default="xla", choices=("xla", "popart"))
+    how.add_argument("--backend", default="xla", choices=("xla", "popart"),
+                     help="xla: the embedded runtime; popart: the Poplar SDK (default xla)")
     how.add_argument("--repeat", type=int, default=5, help="timed runs per variant")
     how.add_argument("--warmup", type=int, default=1, help="uncounted runs after the first")
     how.add_argument("--no-baselines", action="store_true",
@@ -420,7 +429,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                      help="record invalid combinations as skipped instead of refusing the sweep")
     how.add_argument("--instance-timeout", type=float, default=300.0, metavar="SECONDS",
                      help="bound on each multi-instance variant")
-    how.add_argument("--no-progress", action="store_true")
+    how.add_argument("--no-progress", action="store_true",
+                     help="print no progress line per variant")
     how.add_argument("--out", default=None, metavar="DIR",
                      help="where results.json, results.csv and the plots go (default "
                           "bench-results)")
@@ -507,7 +517,9 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--num-instances", type=int, required=True, help="instances (processes)")
     launch.add_argument("--num-replicas", type=int, required=True,
                         help="replicas over all instances")
-    launch.add_argument("--ipus-per-replica", type=int, default=1)
+    launch.add_argument("--ipus-per-replica", type=int, default=1,
+                        help="IPUs each replica spans (default 1); with --num-replicas it "
+                             "sizes each instance's device")
     launch.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                         help="where instance 0 listens (default: a free port on 127.0.0.1)")
     launch.add_argument("--host", default=None, metavar="HOST,HOST,...",
@@ -526,8 +538,11 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
                              "file on each host (default: POPART_KIT_JOB_SECRET, else a random "
                              "one per launch; several hosts need one)")
     launch.add_argument("--print-topology", choices=("yes", "no"), default="no", nargs="?",
-                        const="yes")
-    launch.add_argument("--only-output-from-instance", type=int, default=None)
+                        const="yes", help="print a table of hosts, instances, replicas and "
+                                          "their IPUs before starting (as poprun does)")
+    launch.add_argument("--only-output-from-instance", type=int, default=None, metavar="N",
+                        help="show only instance N's output (the others' is dropped; errors "
+                             "still end the launch)")
     launch.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop every instance and fail after this long (default: none)")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -58,7 +59,7 @@ class LaunchError(ConfigError):
     rule = "K-launch"
 
 
-def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
+def _check(program: str | Sequence[str], instances: int, replicas: int, ipus: int,
            coordinator: str | None, hosts: Sequence[str], host_index: int,
            fault_timeout: float, start_timeout: float) -> tuple[list[str], str]:
     """Every problem of a launch at once; the program resolved and the coordinator to use."""
@@ -83,7 +84,8 @@ def _check(program: Sequence[str], instances: int, replicas: int, ipus: int,
         problems.append(f"--fault-timeout {fault_timeout} is not between 0 and 3600 seconds")
     if not 0 < start_timeout <= 3600:
         problems.append(f"--start-timeout {start_timeout} is not between 0 and 3600 seconds")
-    resolved = list(program)
+    # a command line given as one string is split as a shell splits it (no shell runs it)
+    resolved = shlex.split(program) if isinstance(program, str) else list(program)
     if not resolved:
         problems.append("no program given: put it after '--', e.g. -- python3 train.py")
     else:
@@ -163,8 +165,13 @@ def topology(num_instances: int, num_replicas: int, ipus_per_replica: int = 1,
     k = ipus_per_replica
     ipus = [f"{r % local * k}" if k == 1 else f"{r % local * k}-{r % local * k + k - 1}"
             for r in range(num_replicas)]
-    width = max(len(c) for c in [*ipus, *map(str, range(num_replicas))]) + 2
-    cell = width + 1  # a cell and its separator
+    # a replica's cell and its separator: wide enough for its own labels, and together with the
+    # other replicas of its host (instance) for the host's name (the instance's number)
+    cell = max(max(len(c) for c in [*ipus, str(num_replicas - 1)]) + 3,
+               *(-(-(len(h) + 3) // (per_host * local)) for h in hosts),
+               -(-(len(str(num_instances - 1)) + 3) // local))
+    title = "popart-kit launch topology"
+    cell = max(cell, -(-(len(title) + 4 - 11) // num_replicas))  # the title fits too
 
     def row(label: str, cells: list[str], span: int) -> str:
         return f"| {label:<9} |" + "".join(f"{c:^{span * cell - 1}}|" for c in cells)
@@ -174,9 +181,8 @@ def topology(num_instances: int, num_replicas: int, ipus_per_replica: int = 1,
             row("instances", [str(i) for i in range(num_instances)], local),
             row("replicas", [str(r) for r in range(num_replicas)], 1),
             row("IPUs", ipus, 1)]
-    title = "popart-kit launch topology"
-    return "\n".join([f" {line}", f"|{title:^{len(line)}}|", f"|{line}|",
-                      *(f"{r}\n|{line}|" for r in rows[:-1]), rows[-1], f" {line}"])
+    return "\n".join([f" {line} ", f"|{title:^{len(line)}}|", f"|{line}|",
+                      *(f"{r}\n|{line}|" for r in rows[:-1]), rows[-1], f" {line} "])
 
 
 def _forward(stream: IO[bytes], prefix: str, out: IO[str] | None, lock: threading.Lock) -> None:
@@ -238,7 +244,7 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
 
 
-def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
+def launch(program: str | Sequence[str], *, num_instances: int, num_replicas: int,
            ipus_per_replica: int = 1, coordinator: str | None = None,
            hosts: Sequence[str] = (), host_index: int = 0,
            fault_timeout: float = FAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
@@ -246,8 +252,10 @@ def launch(program: Sequence[str], *, num_instances: int, num_replicas: int,
            only_output_from_instance: int | None = None, env: Mapping[str, str] | None = None,
            timeout: float | None = None, out: IO[str] | None = None,
            err: IO[str] | None = None) -> int:
-    """Run ``program`` as ``num_instances`` instances sharing ``num_replicas`` replicas (on this
-    host; with ``hosts``, the instances of host ``host_index``). Returns 0 when every instance
+    """Run ``program`` (a list of arguments, or one command line split as a shell splits it:
+    ``"python3 train.py --lr 0.1"``) as ``num_instances`` instances sharing ``num_replicas``
+    replicas (on this host; with ``hosts``, the instances of host ``host_index``). Returns 0
+    when every instance
     succeeded, else the first failing instance's status (128 + signal when it was killed).
     ``timeout`` (seconds) bounds the whole run: instances still running then are stopped and
     the launch fails (status 124, as timeout(1)). The instances wait ``start_timeout`` seconds

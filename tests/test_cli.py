@@ -141,6 +141,8 @@ def test_check_against_a_config(tmp_path, capsys):
     assert main(["check", str(model), "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "IPU(s) [2]" in err and "below the pipeline depth 5" in err
+    # the same form as plan's and the sessions' refusals
+    assert "(see docs/rules.md#V24)" in " ".join(err.split()) and "[V24]" not in err
 
 
 def test_check_reports_a_broken_model(tmp_path, capsys):
@@ -162,3 +164,15 @@ def test_check_reports_a_file_that_is_not_a_model(tmp_path, capsys):
     bad.write_bytes(b"\x00 not a protobuf \xff")
     assert main(["check", str(bad)]) == 2
     assert "is not an ONNX model" in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from popart_kit.cli import _parser
+
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [f"{name} {' '.join(action.option_strings) or action.dest}"
+              for name, sub in commands.choices.items() for action in sub._actions
+              if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not silent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -301,3 +302,12 @@ def test_popdist_program_under_each_launchers_variables(one_process_weights, tmp
                 p.wait()
     print(f"{launcher} 2 x 2 vs 1 x 4: max difference "
           f"{check_instances(tmp_path, one_process_weights):.3g}")
+
+
+def test_a_command_line_given_as_one_string_is_split_as_a_shell_splits_it(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    status = launch(f"{shlex.quote(sys.executable)} -c 'import sys; print(sys.argv[1:])' a 'b c'",
+                    num_instances=1, num_replicas=1, timeout=BOUND, out=out, err=err,
+                    env=clean_env())
+    assert status == 0, err.getvalue()
+    assert "['a', 'b c']" in out.getvalue()

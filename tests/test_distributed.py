@@ -216,6 +216,15 @@ def test_topology_table():
     assert "| IPUs      | 0-1 | 2-3 | 0-1 | 2-3 |" in table
 
 
+@pytest.mark.parametrize("args", [(2, 4, 1, ["node-a.cluster.example.com", "b"]), (1, 1, 1),
+                                  (12, 12, 1), (4, 8, 3, ["h" * 40, "x"])])
+def test_topology_rows_fit_their_border_whatever_the_names(args):
+    table = topology(*args)
+    assert len({len(line) for line in table.splitlines()}) == 1, table
+    for host in args[3] if len(args) > 3 else ["localhost"]:
+        assert f" {host} " in table
+
+
 # -- the instance's view of its environment (no processes) ------------------------------------
 
 
