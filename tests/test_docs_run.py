@@ -8,6 +8,8 @@ import re
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -15,20 +17,37 @@ def _blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def test_readme_python_blocks_run_as_written(monkeypatch) -> None:
-    blocks = _blocks(ROOT / "README.md")
-    assert len(blocks) >= 4
-    monkeypatch.chdir(ROOT)
-    for var in [v for v in os.environ if v.startswith("POPDIST_")]:
-        monkeypatch.delenv(var)
-    namespace: dict = {"__name__": "readme"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, block in enumerate(blocks):
+def _run_blocks(blocks: list[tuple[int, str]], namespace: dict) -> None:
+    """Run ``blocks`` (README index, code) one after the other in ``namespace``; fail on an
+    error, or on a warning whose text the block does not show in a ``# warns: <text>``
+    comment."""
+    for i, block in blocks:
+        shown = [w.strip() for w in re.findall(r"# warns: (.*)", block)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             try:
                 exec(compile(block, f"README.md block {i}", "exec"), namespace)
             except Exception as err:  # pragma: no cover - the message says which block
-                raise AssertionError(f"README.md python block {i} fails: {err!r}\n{block}") from err
+                raise AssertionError(f"README.md python block {i} fails: {err!r}\n{block}") \
+                    from err
+        unshown = [str(w.message) for w in caught
+                   if not any(text in " ".join(str(w.message).split()) for text in shown)]
+        assert not unshown, f"README.md python block {i} warns what it does not show: {unshown}"
+
+
+@pytest.fixture
+def readme_env(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for var in [v for v in os.environ if v.startswith("POPDIST_")]:
+        monkeypatch.delenv(var)
+
+
+def test_readme_python_blocks_run_alone_and_in_order(readme_env) -> None:
+    blocks = _blocks(ROOT / "README.md")
+    assert len(blocks) >= 5
+    for i, block in enumerate(blocks):        # alone: each block is a whole program
+        _run_blocks([(i, block)], {"__name__": "readme"})
+    _run_blocks(list(enumerate(blocks)), {"__name__": "readme"})  # in order, as a reader does
 
 
 def test_every_example_config_with_train_py_runs_or_is_refused_clearly() -> None:

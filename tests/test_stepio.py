@@ -337,6 +337,27 @@ def test_batches_group_samples_into_runs_and_count_the_rest():
     assert np.array_equal(first["x"][1, 0, 2], np.full(3, 10))
 
 
+def test_batches_of_columns_equal_batches_of_the_same_samples_one_by_one():
+    cfg = config(bps=2, acc=1, local=2)
+    io = pk.StepIOFactory(cfg, inputs={"x": pk.TensorSpec((4, 3)), "y": pk.TensorSpec((4,),
+                                                                                       "int32")})
+    columns = {"x": np.repeat(np.arange(40, dtype=np.float32)[:, None], 3, axis=1),
+               "y": np.arange(40, dtype=np.int32)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        by_column, by_sample = io.batches(columns), io.batches(_dataset(40))
+        got, expected = list(by_column), list(by_sample)
+    assert len(got) == len(expected) == 2 and by_column.dropped == by_sample.dropped == 8
+    assert sum("8 samples at the end" in str(w.message) for w in caught) == 2
+    for run, same in zip(got, expected, strict=True):
+        for name in ("x", "y"):
+            np.testing.assert_array_equal(run[name], same[name], strict=True)
+    with pytest.raises(pk.DataError, match="different numbers of samples"):
+        io.batches({"x": columns["x"], "y": columns["y"][:10]})
+    with pytest.raises(pk.DataError, match="no column 'y'"):
+        io.batches({"x": columns["x"]})
+
+
 def test_batches_of_each_instance_are_its_share_of_the_global_run():
     shards = []
     for offset in (0, 2):

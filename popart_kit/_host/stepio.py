@@ -454,12 +454,14 @@ class StepIOFactory:
             out[name] = array if axis is None else array[(slice(None),) * axis + (r, Ellipsis)]
         return out
 
-    def batches(self, dataset: Iterable[Any]) -> RunBatches:
+    def batches(self, dataset: Iterable[Any] | Mapping[str, Any]) -> RunBatches:
         """Group a stream of samples into per-run input dicts for this instance.
 
         Each sample is ``{input name: array of shape S[1:]}`` (or, with one input, the array);
-        ``S[0]`` is the micro-batch size. A run takes bps × A × G × micro-batch samples, laid out
-        in PopART's order over all G global replicas, of which this instance keeps its share.
+        ``S[0]`` is the micro-batch size. ``dataset`` may also be columns, ``{input name: array
+        of samples along axis 0}``, which runs slice instead of stacking sample by sample. A run
+        takes bps × A × G × micro-batch samples, laid out in PopART's order over all G global
+        replicas, of which this instance keeps its share.
         Samples that do not fill a last run are dropped and counted in ``.dropped``.
         """
         return RunBatches(self, dataset)
@@ -557,7 +559,8 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
     """Per-run input dicts made from a stream of samples; ``dropped`` counts the samples left
     over at the end (a warning says so too)."""
 
-    def __init__(self, factory: StepIOFactory, dataset: Iterable[Any]) -> None:
+    def __init__(self, factory: StepIOFactory,
+                 dataset: Iterable[Any] | Mapping[str, Any]) -> None:
         problems = [_problem("inputs", n, "is a Broadcast input, which one sample per replica "
                                           "cannot feed.", "build its arrays yourself.",
                              "K-stepio-broadcast-batches")
@@ -580,13 +583,20 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         self.samples_per_run = (cfg.batches_per_step * cfg.accumulation.factor
                                 * cfg.replication.global_replicas * self.micro_batch_size)
         self._factory = factory
-        try:
-            self._samples = iter(dataset)
-        except TypeError:
-            raise DataTypeError(f"batches() takes an iterable of samples, got a "
-                                f"{type(dataset).__name__} ({short(dataset)}). Fix: pass a "
-                                f"list, generator or dataset that yields one sample at a time.",
-                                rule="K-stepio-sample") from None
+        self._columns: dict[str, np.ndarray] | None = None
+        if isinstance(dataset, Mapping):  # columns: {input name: samples along axis 0}
+            self._columns = _columns(dataset, factory.inputs)
+            self._samples = iter(())
+        else:
+            try:
+                self._samples = iter(dataset)
+            except TypeError:
+                raise DataTypeError(f"batches() takes an iterable of samples or a mapping of "
+                                    f"columns, got a {type(dataset).__name__} "
+                                    f"({short(dataset)}). Fix: pass a list, generator or "
+                                    f"dataset that yields one sample at a time, or "
+                                    f"{{input name: array of samples}}.",
+                                    rule="K-stepio-sample") from None
         self.runs = 0
         self.dropped = 0
         self._done = False
@@ -611,9 +621,24 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
         if count:
             warn(f"{count} samples {why} and were dropped ({self.dropped} in all).")
 
+    def _next_columns(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        start = self.runs * self.samples_per_run
+        left = len(next(iter(columns.values()))) - start
+        if left < self.samples_per_run:
+            self._done = True
+            self._drop(left, f"at the end of the dataset do not fill a run of "
+                             f"{self.samples_per_run}")
+            raise StopIteration
+        run = self._finish({name: column[start:start + self.samples_per_run]
+                            for name, column in columns.items()})
+        self.runs += 1
+        return run
+
     def __next__(self) -> dict[str, np.ndarray]:
         if self._done:
             raise StopIteration
+        if self._columns is not None:
+            return self._next_columns(self._columns)
         taken: list[Any] = []
         try:
             for raw in self._samples:
@@ -639,13 +664,12 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
 
     def _assemble(self, taken: list[Any]) -> dict[str, np.ndarray]:
         samples = [self._sample(i, raw) for i, raw in enumerate(taken)]
-        factory = self._factory
-        stacked = {}
-        for name, spec in factory.inputs.items():
+        blocks = {}
+        for name, spec in self._factory.inputs.items():
             try:
                 arrays = [np.asarray(s[name]) for s in samples]
                 _refuse_non_numbers(name, arrays)
-                block = np.stack(arrays)
+                blocks[name] = np.stack(arrays)
             except ValueError as err:
                 if isinstance(err, DataError):
                     raise
@@ -653,6 +677,15 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                 raise DataError(f"input {name!r}: samples of different shapes {short(shapes)}, "
                                 f"expected {spec.shape[1:]}. Fix: yield one sample at a time, "
                                 f"each of shape S[1:].", rule="K-stepio-sample") from None
+        return self._finish(blocks)
+
+    def _finish(self, blocks: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A run's samples per input (``[samples, *S[1:]]``) checked, cast and laid out in
+        PopART's order, this instance's share."""
+        factory = self._factory
+        stacked = {}
+        for name, spec in factory.inputs.items():
+            block = blocks[name]
             if block.shape[1:] != spec.shape[1:]:
                 raise DataError(f"input {name!r}: samples of shape {block.shape[1:]}, expected "
                                 f"{spec.shape[1:]} (S={spec.shape} without its micro-batch "
@@ -663,6 +696,29 @@ class RunBatches(Iterator[dict[str, np.ndarray]]):
                 spec.shape, factory._bps, factory._accumulation,
                 factory.config.replication.global_replicas))
         return factory.shard(stacked)
+
+
+def _columns(dataset: Mapping[str, Any], inputs: Mapping[str, TensorSpec]
+             ) -> dict[str, np.ndarray]:
+    """A columnar dataset, ``{input name: array of samples along axis 0}``, checked: every
+    input present, numbers, the same number of samples in each."""
+    missing = [n for n in inputs if n not in dataset]
+    if missing:
+        raise DataError(f"the dataset has no column {', '.join(map(repr, missing))} (it has "
+                        f"{short(list(dataset))}). Fix: give every input its column.",
+                        rule="K-stepio-sample")
+    columns = {name: np.asarray(dataset[name]) for name in inputs}
+    for name, column in columns.items():
+        _refuse_non_numbers(name, [column])
+        if column.ndim == 0:
+            raise DataError(f"column {name!r} is a scalar. Fix: give an array of samples "
+                            f"(samples along axis 0).", rule="K-stepio-sample")
+    lengths = {name: len(column) for name, column in columns.items()}
+    if len(set(lengths.values())) > 1:
+        raise DataError(f"the dataset's columns hold different numbers of samples: "
+                        f"{short(lengths)}. Fix: one row per sample in every column.",
+                        rule="K-stepio-sample")
+    return columns
 
 
 def _refuse_non_numbers(name: str, arrays: list[np.ndarray]) -> None:
