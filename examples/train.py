@@ -57,7 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(HERE / "configs" / "train_classifier.toml"))
     parser.add_argument("--runs", type=int, default=40, help="training steps (session runs)")
-    parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--learning-rate", type=float, default=0.01,
+                        help="SGD learning rate, momentum 0.9 (default 0.01)")
     parser.add_argument("--backend", default="auto", choices=("auto", "xla", "popart"))
     args = parser.parse_args()
     console = Console()
@@ -75,9 +76,13 @@ def main() -> None:
         plan = session.plan
     except pk.PopartKitError as err:
         console.print(f"[red]{args.config} does not fit this example.[/red] train.py trains a "
-                      f"classifier in 2 pipeline stages: it takes a training config of one "
-                      f"instance with pipeline.stages 2 or unset (examples/configs/"
-                      f"train_classifier.toml, single_ipu.toml).\n{err}", soft_wrap=True)
+                      f"classifier in 2 pipeline stages: it takes a training config "
+                      f"(mode='training') of one instance with pipeline.stages 2 or unset, "
+                      f"e.g. examples/configs/train_classifier.toml.\n{err}", soft_wrap=True)
+        raise SystemExit(2) from None
+    except ImportError as err:  # --backend popart without the Poplar SDK
+        console.print(f"[red]--backend {args.backend} cannot run here:[/red] {err}",
+                      soft_wrap=True)
         raise SystemExit(2) from None
     console.print(f"backend: [bold]{session.backend}[/bold]; {plan.samples_per_step} samples "
                   f"per run on {plan.local_replicas} replicas")
@@ -91,7 +96,14 @@ def main() -> None:
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=args.runs, loss=float("nan"))
         for inputs in runs:
-            losses.append(float(session.run(inputs)[t["loss"]].mean()))
+            try:
+                losses.append(float(session.run(inputs)[t["loss"]].mean()))
+            except pk.NonFiniteUpdate as err:  # the weights are as before this run
+                progress.stop()
+                console.print(f"[red]training diverged at run {len(losses) + 1}[/red] "
+                              f"(learning rate {args.learning_rate}): {err}\nTry a lower "
+                              f"--learning-rate.", soft_wrap=True)
+                raise SystemExit(1) from None
             progress.update(task, advance=1, loss=losses[-1])
     seconds = time.perf_counter() - started
 

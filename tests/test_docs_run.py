@@ -80,3 +80,15 @@ def test_every_popart_example_runs_unchanged_through_the_drop_in() -> None:
         assert proc.returncode == 0 and "Traceback" not in text, f"{example.name}:\n{text[-2000:]}"
         losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", proc.stdout)]
         assert len(losses) >= 5 and losses[-1] < losses[0], f"{example.name}:\n{proc.stdout}"
+
+
+def test_train_py_without_the_sdk_says_so_for_the_popart_backend() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--backend",
+                           "popart", "--runs", "1"], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in text
+    assert "--backend popart cannot run here" in text and "Poplar SDK" in text

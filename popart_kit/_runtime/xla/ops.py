@@ -1369,16 +1369,43 @@ def identity_loss(ctx: Ctx, x: Any) -> Any:
     return _popart_reduce(ctx, x)
 
 
+def _nll_eps(dtype: Any, forward: bool) -> float:
+    """PopART's Nll clamps (popx/op/nllx.cpp): the forward takes log(max(p, 1e-7)), the
+    gradient -1/max(p, 1e-10); in float16 both use 6.104e-5."""
+    if np.dtype(dtype) == np.float16:
+        return 6.104e-05
+    return 1e-7 if forward else 1e-10
+
+
+@jax.custom_vjp
+def _nll_log(p: Any) -> Any:
+    """log of a label's probability as PopART's Nll takes it: clamped below, and with
+    PopART's gradient 1/max(p, eps) (not the clamp's zero) where p is tiny."""
+    return jnp.log(jnp.maximum(p, jnp.asarray(_nll_eps(p.dtype, True), p.dtype)))
+
+
+def _nll_log_fwd(p: Any) -> tuple[Any, Any]:
+    return _nll_log(p), p
+
+
+def _nll_log_bwd(p: Any, g: Any) -> tuple[Any]:
+    return (g / jnp.maximum(p, jnp.asarray(_nll_eps(p.dtype, False), p.dtype)),)
+
+
+_nll_log.defvjp(_nll_log_fwd, _nll_log_bwd)
+
+
 @op("Nll", domain=GRAPHCORE, check=_check_popart_reduction)
 def popart_nll(ctx: Ctx, probs: Any, label: Any) -> Any:
     """PopART's Nll: classes on the last axis; ``inputIsLogProbability`` takes -x[label],
-    else -log(x[label]); ``ignoreIndex`` labels add 0 and Mean divides by the others."""
+    else -log(max(x[label], eps)) with PopART's clamps (:func:`_nll_eps`); ``ignoreIndex``
+    labels add 0 and Mean divides by the others."""
     ignore = ctx.attr("ignoreIndex")
     mask = jnp.ones(label.shape, bool) if ignore is None else label != ignore
     safe = jnp.where(mask, label, 0)
     picked = jnp.take_along_axis(probs, safe[..., None], axis=-1, mode="clip")[..., 0]
     if not ctx.attr("inputIsLogProbability", 0):
-        picked = jnp.log(picked)
+        picked = _nll_log(picked)
     loss = jnp.where(mask, -picked, jnp.zeros((), probs.dtype))
     count = None if ignore is None else jnp.maximum(jnp.sum(mask), 1).astype(probs.dtype)
     return _popart_reduce(ctx, loss, count)
