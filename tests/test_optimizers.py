@@ -575,3 +575,35 @@ def test_adam_to_popart(mode: str, popart_mode: str, decay_mode: str, popart_dec
 def test_to_popart_signature() -> None:
     for cls in (SGD, Adam):
         assert list(inspect.signature(cls.to_popart).parameters) == ["self", "popart"]
+
+
+# -- per-weight values and clipping groups (PopART's insertSpecific / ClipNormSettings) ----------
+
+def test_specific_values_are_hyperparameters_of_their_own_and_checked() -> None:
+    opt = SGD(0.1, specific={"w": {"learning_rate": 0.5, "momentum": 0.9}})
+    hyper = opt.hyperparameters()
+    assert hyper["learning_rate"] == 0.1 and hyper["learning_rate@w"] == 0.5
+    assert hyper["momentum@w"] == 0.9 and "momentum" not in hyper   # only w has a velocity
+    w = {"w": jnp.ones(2), "v": jnp.ones(2)}
+    assert set(opt.init(w)["velocity"]) == {"w"}
+    assert opt.program_key != SGD(0.1).program_key
+    assert opt.program_key == SGD(0.2, specific={"w": {"learning_rate": 0.1,
+                                                       "momentum": 0.5}}).program_key
+    with pytest.raises(ValidationError) as info:
+        SGD(0.1, specific={"w": {"momentum": 1.5}})
+    assert [e["loc"] for e in info.value.errors()] == [("specific", "w", "momentum")]
+    assert "specific['w'].momentum=1.5" in str(info.value)
+    with pytest.raises(ValidationError, match="not a per-weight value of Adam"):
+        Adam(0.1, specific={"w": {"loss_scaling": 2.0}})
+
+
+def test_clip_groups_are_static_and_refused_as_popart_refuses() -> None:
+    opt = Adam(0.1, clip_norm=((("a",), 1.0),))
+    assert opt.program_key != Adam(0.1).program_key
+    assert opt.hyperparameters() == Adam(0.1).hyperparameters()
+    with pytest.raises(ValueError, match="Could not find a varupdate op for tensor a"):
+        opt.init({"b": jnp.ones(2)})
+    with pytest.raises(ValueError, match="only one group should be specified"):
+        SGD(0.1, clip_norm=((None, 1.0), (("a",), 2.0))).init({"a": jnp.ones(2)})
+    with pytest.raises(ValidationError, match="clip_norm"):
+        SGD(0.1, clip_norm=((None, float("inf")),))

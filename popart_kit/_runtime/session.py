@@ -36,7 +36,7 @@ from ..errors import (
     clip,
 )
 from .backend import BACKENDS, Backend, make_backend
-from .optimizers import SGD, Adam
+from .optimizers import SGD, Adam, Adaptive
 
 __all__ = ["InferenceSession", "TrainingSession"]
 
@@ -227,7 +227,7 @@ class TrainingSession(_Session):
                  popart: Any = None, micro_batches_per_chunk: int | None = None,
                  check_finite: bool | None = None, check_indices: bool = True,
                  pipeline_workers: str | None = None) -> None:
-        if not isinstance(optimizer, SGD | Adam):
+        if not isinstance(optimizer, SGD | Adam | Adaptive):
             raise ConfigTypeError(f"optimizer={clip(repr(optimizer), 80)}: give pk.SGD(...) or "
                                   f"pk.Adam(...).", rule="K-session-type")
         if not isinstance(loss, str):

@@ -42,7 +42,17 @@ from ._core import (
 from ._devices import DeviceInfo, DeviceManager
 from ._graph_transformer import GraphTransformer
 from ._operators import OperatorIdentifier, getSupportedOperations, getUnsupportedOperations
-from ._optimizers import SGD, Adam, ConstSGD, Optimizer, OptimizerValue
+from ._optimizers import (
+    SGD,
+    Adam,
+    Adaptive,
+    AdaptiveMode,
+    ClipNormSettings,
+    ConstSGD,
+    Optimizer,
+    OptimizerValue,
+    OptimizerValueMap,
+)
 from ._options import STRUCTS, SessionOptions
 
 # popart_kit marks this module so that backend "auto" never takes it for the Poplar SDK.
@@ -88,7 +98,8 @@ __all__ = [
     "Builder", "TensorInfo", "DataFlow", "AnchorReturnType", "InputShapeInfo", "Patterns",
     "SessionOptions", "DeviceManager", "DeviceInfo", "InferenceSession", "TrainingSession",
     "PyStepIO", "PyStepIOCallback", "PyWeightsIO", "SGD", "ConstSGD", "Adam", "Optimizer",
-    "OptimizerValue", "InputSettings", "ReductionType", "ReplicatedStreamMode",
+    "OptimizerValue", "OptimizerValueMap", "Adaptive", "AdaptiveMode", "ClipNormSettings",
+    "InputSettings", "ReductionType", "ReplicatedStreamMode",
     "popart_exception", "poplar_exception", "poplar_runtime_error",
     "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",

@@ -185,6 +185,9 @@ def pipeline_for(facts: PipelineFacts, workers: str = "threads"
                           "inside a stage, which has no meaning on the xla backend (XLA fuses "
                           "them already). Fix: use 'none', or 'standard' to recompute each "
                           "stage's forward in its backward.", rule="K-xla-recompute")
+    if facts.training and getattr(facts.optimizer, "clip_norm", ()):
+        return None, ("gradient clipping (ClipNormSettings) scales each weight's gradient by a "
+                      "norm of several weights, which the stages' separate updates cannot see")
     wanted = list(dict.fromkeys([*(facts.tensors[a] for a in facts.anchors
                                    if a not in facts.gradients),
                                  *([facts.loss] if facts.training else [])]))
