@@ -22,7 +22,7 @@ _HOMES = {
                                 "Replication", "SessionConfig"),
     "._model.layout": ("PipelineLayout",),
     ".launcher": ("launch",),
-    "._runtime.optimizers": ("SGD", "Adam"),
+    "._runtime.optimizers": ("SGD", "Adam", "Adaptive"),
     "._config.plan": ("Plan", "ReplicaPlacement"),
     "._base.schedule": ("PipelineSchedule",),
     "._config.popdist": ("PopdistEnv",),
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     )
     from ._model.layout import PipelineLayout
     from ._model.precision import to_half
-    from ._runtime.optimizers import SGD, Adam
+    from ._runtime.optimizers import SGD, Adam, Adaptive
     from ._runtime.session import InferenceSession, TrainingSession
     from .errors import (
         ConfigError,
@@ -122,6 +122,7 @@ __all__ = [
     "TrainingSession",
     "SGD",
     "Adam",
+    "Adaptive",
     "launch",
     "PopartKitWarning",
     "PopartKitError",

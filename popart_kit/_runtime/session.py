@@ -228,8 +228,8 @@ class TrainingSession(_Session):
                  check_finite: bool | None = None, check_indices: bool = True,
                  pipeline_workers: str | None = None) -> None:
         if not isinstance(optimizer, SGD | Adam | Adaptive):
-            raise ConfigTypeError(f"optimizer={clip(repr(optimizer), 80)}: give pk.SGD(...) or "
-                                  f"pk.Adam(...).", rule="K-session-type")
+            raise ConfigTypeError(f"optimizer={clip(repr(optimizer), 80)}: give pk.SGD(...), "
+                                  f"pk.Adam(...) or pk.Adaptive(...).", rule="K-session-type")
         if not isinstance(loss, str):
             raise ConfigTypeError(f"loss must be the name of the loss tensor (a str), got "
                                   f"{type(loss).__name__}.", rule="K-session-type")
