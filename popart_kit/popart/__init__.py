@@ -76,6 +76,31 @@ def versionString() -> str:
     return __version__
 
 
+def versionNumber() -> tuple[int, int, int]:
+    """PopART's (major, minor, point) of the API this module follows."""
+    return (3, 4, 0)
+
+
+_debug_info: list[str] = []  # the file initializePoplarDebugInfo named, until it is closed
+
+
+def initializePoplarDebugInfo(filename: str, format: str = "json") -> None:  # noqa: A002
+    """Start Poplar's debug-info stream to ``filename``. Off the IPU there is no Poplar program
+    and so no debug context: :func:`closePoplarDebugInfo` writes the file with none (JSON,
+    whatever ``format`` asks)."""
+    _debug_info[:] = [str(filename)]
+
+
+def closePoplarDebugInfo() -> None:
+    """Finish the stream :func:`initializePoplarDebugInfo` started: its file is written
+    (``{"contexts": [], "stringTable": []}``, atomically)."""
+    from .._base.atomic import write_atomic
+
+    for filename in _debug_info:
+        write_atomic(filename, '{"contexts": [], "stringTable": []}\n')
+    _debug_info.clear()
+
+
 def getLogger(name: str = "all") -> Any:
     """PopART's logger; here a standard Python logger (popart.<name>) with setLevel."""
     logger = _logging.getLogger(f"popart.{name}")
@@ -103,6 +128,7 @@ __all__ = [
     "popart_exception", "poplar_exception", "poplar_runtime_error",
     "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
-    "getLogger", "versionString", "OperatorIdentifier", "getSupportedOperations",
+    "getLogger", "versionString", "versionNumber", "initializePoplarDebugInfo",
+    "closePoplarDebugInfo", "OperatorIdentifier", "getSupportedOperations",
     "getUnsupportedOperations", "GraphTransformer", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
 ]

@@ -101,9 +101,24 @@ RESERVED_PREFIXES = {
     "Stashed": "Stashed___", "Restored": "Restored___", "LossScaling": "lossScaling_",
     "RandomSeed": "randomSeed___", "SeedModifier": "randomSeedModifier___",
     "RemoteArg": "RemoteArg___", "Counter": "Counter___", "ConcatInit": "ConcatInit___",
+    "AutomaticLossScale": "AutomaticLossScaleProxy___",
     "Init": "Init___", "Index": "Index___", "ConstValue": "ConstValue___",
     "GlobalNorm": "GlobalNorm___", "LoopIterator": "Iterator___", "LoopCond": "LoopCond___",
 }
+# the optimizer hyperparameter tensors: reserved{Default,Specific}<Name>Prefix
+RESERVED_PREFIXES.update({
+    f"{kind}{name}": f"{stem}___{kind.lower()}___"
+    for name, stem in (("AdamBeta1", "adamBeta1"), ("AdamBeta2", "adamBeta2"),
+                       ("AdamEps", "adamEps"), ("DampeningScaleFactor1", "dampeningScaleFactor1"),
+                       ("LearningRate", "learningRate"), ("LossScaling", "lossScaling"),
+                       ("MaxWeightNorm", "maxWeightNorm"),
+                       ("ScaledLearningRate0", "scaledLearningRate0"),
+                       ("ScaledLearningRate1", "scaledLearningRate1"),
+                       ("ScaledMomentum1", "scaledMomentum1"),
+                       ("ScaledWeightDecay1", "scaledWeightDecay1"), ("Step", "step"),
+                       ("WeightDecay", "weightDecay"),
+                       ("WeightDecayScaleFactor0", "weightDecayScaleFactor0"))
+    for kind in ("Default", "Specific")})
 
 
 def _prefix_function(value: str) -> Callable[[], str]:

@@ -252,3 +252,19 @@ def test_structs_take_popart_s_positional_constructor_forms():
         2, 3)
     with pytest.raises(TypeError, match="TensorLocation.storage takes a popart.TensorStorage"):
         popart.TensorLocation(3, 4)
+
+
+def test_the_optimizer_tensor_prefixes_are_popart_s():
+    # tensornames.hpp: reserved{Default,Specific}<Name>Prefix
+    assert popart.reservedDefaultScaledLearningRate0Prefix() == \
+        "scaledLearningRate0___default___"
+    assert popart.reservedSpecificAdamBeta2Prefix() == "adamBeta2___specific___"
+    assert popart.reservedAutomaticLossScalePrefix() == "AutomaticLossScaleProxy___"
+
+
+def test_poplar_debug_info_is_written_with_no_contexts_off_the_ipu(tmp_path):
+    target = tmp_path / "debug.json"
+    popart.initializePoplarDebugInfo(str(target), "json")
+    popart.closePoplarDebugInfo()
+    assert json.loads(target.read_text()) == {"contexts": [], "stringTable": []}
+    assert popart.versionNumber() == (3, 4, 0) and popart.versionString().startswith("3.4.0")
