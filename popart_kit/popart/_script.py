@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Sequence
 
 
@@ -34,7 +35,20 @@ def run_script(script: str, args: Sequence[str] = ()) -> int:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         return exit_status(done.code)
+    except BaseException as error:  # noqa: BLE001 - reported as python SCRIPT reports it
+        _print_from_script(error, script)
+        return 130 if isinstance(error, KeyboardInterrupt) else 1
     return 0
+
+
+def _print_from_script(error: BaseException, script: str) -> None:
+    """The traceback ``python SCRIPT`` prints: from the script's first frame (the launcher's
+    own frames - this module, runpy, the command line - left out)."""
+    path = os.path.abspath(script)
+    tb = error.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)
 
 
 def exit_status(code: object) -> int:

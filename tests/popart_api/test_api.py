@@ -236,6 +236,18 @@ def test_popart_kit_run_runs_a_popart_program(tmp_path):
         assert "args ['a', '--b'] Gradient___" in done.stdout
 
 
+def test_a_failing_program_s_traceback_starts_in_the_program(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text("import popart\n\ndef f():\n    raise ValueError('boom')\n\nf()\n")
+    for command in ([sys.executable, "-m", "popart_kit.cli", "run"],
+                    [sys.executable, "-m", "popart_kit.popart"]):
+        done = subprocess.run([*command, str(script)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1 and done.stderr.endswith("ValueError: boom\n")
+        frames = [line for line in done.stderr.splitlines() if line.startswith('  File "')]
+        assert frames and all(str(script) in line for line in frames), done.stderr
+
+
 def test_structs_take_popart_s_positional_constructor_forms():
     """PopART's bindings give TensorLocation(storage, replicatedTensorSharding) and
     TensorLocationSettings(storage, minElements..., minElements...) besides the fields in
