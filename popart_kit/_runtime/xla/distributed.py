@@ -180,16 +180,18 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
     then on a watchdog ends the process (status :data:`PEER_FAILED`) when another instance
     stops or hangs."""
     import jax
-    from jax._src import distributed, xla_bridge
+
+    # no public API says whether JAX has started its devices (checked with JAX 0.10.2)
+    from jax._src import xla_bridge
 
     env = os.environ if env is None else env
     here = world(replication, env)
-    state = distributed.global_state
-    if state.client is not None:  # already started (by an earlier session, or the user)
-        if (state.num_processes, state.process_id) != (here.processes, here.process_id):
+    if jax.distributed.is_initialized():  # already started (by an earlier session, the user)
+        running = (jax.process_count(), jax.process_index())
+        if running != (here.processes, here.process_id):
             raise ConfigError(
-                f"JAX's distributed runtime already runs as process {state.process_id} of "
-                f"{state.num_processes}, but this session is instance {here.process_id} of "
+                f"JAX's distributed runtime already runs as process {running[1]} of "
+                f"{running[0]}, but this session is instance {here.process_id} of "
                 f"{here.processes}. Fix: give every session of the process the same "
                 f"replication.", rule=_RULE)
         return here

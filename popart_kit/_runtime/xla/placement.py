@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import xla_bridge
+from jax._src import xla_bridge  # backends_are_initialized has no public API (JAX 0.10.2)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
