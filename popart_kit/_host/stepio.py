@@ -92,11 +92,13 @@ def _spec(value: Any) -> TensorSpec:
     raise DataError(f"expected a TensorSpec, (shape, dtype) or a shape, got {short(value)}.")
 
 
-def _problem(kind: str, name: str, message: str, fix: str, rule: str,
+def _problem(kind: str, name: str, message: str, fix: str, rule: str, popart: str = "",
              **involved: Any) -> Problem:
-    """A problem with input or anchor ``name``; the message is completed with that name."""
+    """A problem with input or anchor ``name``; the message is completed with that name
+    (``popart``: PopART's own words for it, which popart_kit.popart raises)."""
     noun = {"inputs": "input", "anchors": "anchor", "out": "out"}[kind]
-    return Problem((kind, name), f"{noun} {name!r} {message}", fix, rule, involved=involved)
+    return Problem((kind, name), f"{noun} {name!r} {message}", fix, rule, involved=involved,
+                   popart=popart)
 
 
 _AXIS_NAMES = {"batches_per_step": "bps", "batches_per_step/N": "bps/N",
@@ -238,7 +240,9 @@ class StepIOFactory:
             elif art.name == "EveryN" and config.pipeline.enabled:
                 problems.append(_problem("anchors", name,
                                          "is EveryN, which is not valid for pipelined models.",
-                                         "use All, Final or Sum, or disable pipelining.", "V14"))
+                                         "use All, Final or Sum, or disable pipelining.", "V14",
+                                         "AnchorReturnType::EVERYN is not valid for pipelined "
+                                         "models"))
             elif art.name == "EveryN" and config.popart_options.get("enableExplicitMainLoops"):
                 problems.append(_problem("anchors", name,
                                          "is EveryN, which explicit main loops do not support.",

@@ -264,3 +264,21 @@ def test_a_symbolic_input_size_needs_input_shape_info_in_popart_s_words():
     data = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
     session.run(popart.PyStepIO({x: data}, anchors))
     np.testing.assert_array_equal(anchors[y], np.maximum(data, 0))
+
+
+def test_an_every_n_anchor_of_a_pipelined_session_is_refused_in_popart_s_words():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 8]))
+    with b.virtualGraph(0), b.pipelineStage(0):
+        h = b.aiOnnx.relu([x])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        y = b.aiOnnx.relu([h])
+    opts = popart.SessionOptions()
+    opts.enablePipelining = True
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    flow = popart.DataFlow(4, {y: popart.AnchorReturnType("EveryN", 2)})
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(b.getModelProto(), flow,
+                                popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                                userOptions=opts)
+    assert err.value.args[0] == "AnchorReturnType::EVERYN is not valid for pipelined models"
