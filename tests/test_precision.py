@@ -94,3 +94,19 @@ def test_stochastic_rounding_is_named_once_on_xla(monkeypatch):
             pk.InferenceSession(model, cfg, anchors={loss: "All"}, backend="xla")
     named = [w for w in caught if "precision.stochastic_rounding" in str(w.message)]
     assert len(named) == 1 and named[0].filename == __file__
+
+
+def test_a_popart_program_is_told_of_stochastic_rounding_in_popart_s_option_name(monkeypatch):
+    import popart_kit.popart as popart
+
+    monkeypatch.setattr(runtime, "_WARNED", set())
+    model, loss = classifier()
+    opts = popart.SessionOptions()
+    opts.enableStochasticRounding = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        popart.InferenceSession(model, popart.DataFlow(1, [loss]),
+                                popart.DeviceManager().createCpuDevice(), userOptions=opts)
+    texts = [str(w.message) for w in caught if "K-xla-stochastic-rounding" in str(w.message)]
+    assert len(texts) == 1 and texts[0].startswith("SessionOptions.enableStochasticRounding")
+    assert "precision." not in texts[0]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..._base.problems import Problem, emit_warnings, raise_errors, warn
+from ..._base.problems import Problem, emit_warnings, raise_errors, under_popart_rules, warn
 from ..._base.shapes import AnchorReturnType, StepShape
 from ..._host.stepio import StepIOFactory, TensorSpec
 from ..._model.builder import broadcast_inputs
@@ -390,8 +390,11 @@ def _warn_meaningless(config: Any) -> None:
     """Settings the xla backend cannot honour are named once per process."""
     if config.precision.stochastic_rounding and "stochastic_rounding" not in _WARNED:
         _WARNED.add("stochastic_rounding")
-        emit_warnings([Problem(("precision", "stochastic_rounding"),
-                     "precision.stochastic_rounding=True has no meaning on the xla backend: XLA "
-                     "rounds to nearest, so half-precision results can differ from an IPU's "
-                     "in the last bits.", "leave it on for the IPU; expect round-to-nearest "
-                     "numerics here.", "K-xla-stochastic-rounding", severity="warning")])
+        # a PopART program is told in its own option's name
+        name = ("SessionOptions.enableStochasticRounding" if under_popart_rules() else
+                "precision.stochastic_rounding")
+        emit_warnings([Problem(tuple(name.split(".")),
+                     "True has no meaning on the xla backend: XLA rounds to nearest, "
+                     "so half-precision results can differ from an IPU's in the last bits.",
+                     "leave it on for the IPU; expect round-to-nearest numerics here.",
+                     "K-xla-stochastic-rounding", severity="warning")])
