@@ -40,6 +40,24 @@ poplar_recoverable_runtime_error = poplar_exception
 poplar_unrecoverable_runtime_error = poplar_exception
 
 
+class OutOfMemoryException(popart_exception):  # noqa: N818 - PopART's name
+    """popart.OutOfMemoryException (popart.session): prepareDevice's error when the program
+    does not fit the device; here, when the xla runtime's estimate of a step exceeds the
+    memory it can use (the kit's rule K-memory)."""
+
+    def __init__(self, e: BaseException | str) -> None:
+        super().__init__(str(e))
+        self.error = e
+
+    def getSummaryReport(self) -> str:
+        """The estimate that did not fit (no Poplar report exists off the IPU)."""
+        return str(self.error)
+
+    def getProfilePath(self) -> str:
+        """"": no profile.pop is written off the IPU (PopART's answer when none exists)."""
+        return ""
+
+
 class _Enum(enum.Enum):
     """A pybind11-like enum: members have ``name`` and ``value`` and convert with ``int()``."""
 
@@ -494,6 +512,7 @@ class PyWeightsIO:
         return id in self.weights
 
 
-__all__ = ["popart_exception", "poplar_exception", "ENUMS", "RESERVED_PREFIXES",
-           "PREFIX_FUNCTIONS", "TensorInfo", "AnchorReturnType", "DataFlow", "InputShapeInfo",
-           "Patterns", "PyStepIO", "PyStepIOCallback", "PyWeightsIO", "InputSettings"]
+__all__ = ["popart_exception", "poplar_exception", "OutOfMemoryException", "ENUMS",
+           "RESERVED_PREFIXES", "PREFIX_FUNCTIONS", "TensorInfo", "AnchorReturnType",
+           "DataFlow", "InputShapeInfo", "Patterns", "PyStepIO", "PyStepIOCallback",
+           "PyWeightsIO", "InputSettings"]

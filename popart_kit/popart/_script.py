@@ -16,8 +16,10 @@ def install_alias() -> None:
     this; backend "auto" still never takes the alias for the Poplar SDK)."""
     from .. import popart
     from ..popdist import popart as popdist_popart
+    from . import session
 
     sys.modules["popart"] = popart
+    sys.modules["popart.session"] = session   # PopART's own submodule, as it names it
     sys.modules["popdist"] = sys.modules[popdist_popart.__package__]
     sys.modules["popdist.popart"] = popdist_popart
 

@@ -31,6 +31,7 @@ from ._core import (
     RESERVED_PREFIXES,
     AnchorReturnType,
     DataFlow,
+    OutOfMemoryException,
     Patterns,
     PyStepIO,
     PyStepIOCallback,
@@ -213,6 +214,8 @@ class _Session:
         try:
             self._kit.prepare()
         except ValueError as err:
+            if "K-memory" in getattr(err, "rules", ()):  # the step does not fit the device
+                raise OutOfMemoryException(err) from None
             raise popart_exception(popart_text(err)) from None
         self._prepared = True
 

@@ -226,6 +226,7 @@ def test_auto_backend_never_takes_this_module_for_the_sdk(monkeypatch):
 def test_popart_kit_run_runs_a_popart_program(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text("import sys, popart\n"
+                      "from popart.session import OutOfMemoryException\n"
                       "assert popart.IS_POPART_KIT\n"
                       "print('args', sys.argv[1:], popart.reservedGradientPrefix())\n")
     for command in ([sys.executable, "-m", "popart_kit.cli", "run"],

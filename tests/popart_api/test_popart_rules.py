@@ -282,3 +282,17 @@ def test_an_every_n_anchor_of_a_pipelined_session_is_refused_in_popart_s_words()
                                 popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
                                 userOptions=opts)
     assert err.value.args[0] == "AnchorReturnType::EVERYN is not valid for pipelined models"
+
+
+def test_a_program_that_cannot_fit_raises_popart_s_out_of_memory_exception_at_prepare():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4096, 4 * 1024 * 1024]))  # 64 GiB
+    y = b.aiOnnx.relu([x])
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), _cpu())
+    with pytest.raises(popart.OutOfMemoryException) as err:
+        session.prepareDevice()
+    assert isinstance(err.value, popart.popart_exception) and "GiB" in str(err.value)
+    assert err.value.getProfilePath() == "" and "K-memory" in err.value.getSummaryReport()
+    from popart_kit.popart import session as popart_session  # PopART's popart.session
+
+    assert popart_session.OutOfMemoryException is popart.OutOfMemoryException
