@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -50,6 +51,11 @@ def test_a_three_stage_session_shows_its_schedule_and_placement():
     assert {(a.kind, a.stage, a.micro_batch) for a, *_ in executor.trace} == {
         (a.kind, a.stage, a.micro_batch) for a in sess.schedule.actions if a.kind != "U"}
     assert 0.0 <= executor.measured_bubble < 1.0
+    events = json.loads(json.dumps(executor.chrome_trace()))["traceEvents"]  # JSON as saved
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == len(executor.trace) and min(e["ts"] for e in spans) == 0
+    assert {e["tid"] for e in spans} == {d for _, d, _, _ in executor.trace}
+    assert all(e["dur"] >= 0 and e["cat"] in ("forward", "backward", "update") for e in spans)
 
 
 def test_dispatch_from_one_thread_gives_the_same_numbers():

@@ -32,7 +32,7 @@ from typing import Any
 
 from .arith import bubble_fraction as plan_bubble_fraction
 
-__all__ = ["Action", "PipelineSchedule"]
+__all__ = ["Action", "PipelineSchedule", "chrome_trace", "measured_bubble"]
 
 KINDS = ("F", "B", "U")
 
@@ -289,3 +289,25 @@ def measured_bubble(busy: Sequence[tuple[int, float, float]]) -> float:
     span = max(e for _, _, e in busy) - min(s for _, s, _ in busy)
     work = sum(e - s for _, s, e in busy)
     return 1.0 - work / (len(devices) * span) if span > 0 else 0.0
+
+
+def chrome_trace(trace: Sequence[tuple[Action, int, float, float]]) -> dict[str, Any]:
+    """A run's trace - (action, device, start, end) in seconds - as Chrome trace events (the
+    JSON Perfetto and chrome://tracing open): one complete event ("ph": "X") per action, one
+    thread per device, times in microseconds from the run's start; save it with json.dump."""
+    if not trace:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin = min(start for _, _, start, _ in trace)
+    names = {"F": "forward", "B": "backward", "U": "update"}
+    events: list[dict[str, Any]] = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": device,
+         "args": {"name": f"device {device}"}}
+        for device in sorted({d for _, d, _, _ in trace})]
+    for action, device, start, end in trace:
+        events.append({
+            "name": str(action), "cat": names.get(action.kind, action.kind), "ph": "X",
+            "pid": 0, "tid": device, "ts": round((start - origin) * 1e6, 3),
+            "dur": round(max(end - start, 0.0) * 1e6, 3),
+            "args": {"stage": action.stage, "slot": action.slot, "kind": action.kind,
+                     "micro_batch": action.micro_batch, "update": action.update}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

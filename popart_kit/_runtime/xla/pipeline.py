@@ -52,7 +52,7 @@ import numpy as np
 import onnx
 
 from ..._base.names import GRADIENT_PREFIX
-from ..._base.schedule import Action, PipelineSchedule, measured_bubble
+from ..._base.schedule import Action, PipelineSchedule, chrome_trace, measured_bubble
 from ..._base.shapes import AnchorReturnType, StepShape
 from ..._model.layout import PipelineLayout
 from ...errors import ConfigError
@@ -365,6 +365,11 @@ class PipelineExecutor:
     def measured_bubble(self) -> float:
         """The idle share of the devices over the last recorded run."""
         return measured_bubble([(d, a, b) for _, d, a, b in self.trace])
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The last run's :attr:`trace` as Chrome trace events: ``json.dump`` it and open the
+        file in Perfetto (ui.perfetto.dev) or chrome://tracing to see the stages overlap."""
+        return chrome_trace(self.trace)
 
     # -- the executor protocol ------------------------------------------------------------
 
