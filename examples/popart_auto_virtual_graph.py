@@ -41,7 +41,8 @@ session = popart.TrainingSession(
     deviceInfo=popart.DeviceManager().acquireAvailableDevice(IPUS),
 )
 for op in json.loads(session._serializeIr(popart.IrSerializationFormat.JSON))["maingraph"]:
-    print(f"{op['type']:>8} {op['outputs'][0]['name']:<14} on IPU {op['attributes']['__ipu_number']}")
+    ipu = op["attributes"]["__ipu_number"]
+    print(f"{op['type']:>8} {op['outputs'][0]['name']:<14} on IPU {ipu}")
 
 session.prepareDevice()
 session.weightsFromHost()

@@ -87,6 +87,10 @@ RULES: dict[str, tuple[str, str]] = {
     "V49": ("virtual_graph_mode auto finds a split point per IPU.",
             "PopART's AutoVirtualGraph transform (auto_virtual_graph.cpp: \"Couldn't find enough "
             "splits\")."),
+    "V50": ("virtual_graph_mode execution_phases: each op's phase below "
+            "executionPhaseSettings.phases and its IPU equal to its phase modulo the stages.",
+            "PopART's StreamingMemory transform (streamingmemory.cpp: \"Maximum phase is\", "
+            "streamingmemoryopinserter.cpp: \"inconsistent execution phase\")."),
     # -- configuration ----------------------------------------------------------------------------
     "K-unknown-key": ("A key or keyword a config section, optimizer or session does not have "
                       "(suggests the closest field or PopART option).",

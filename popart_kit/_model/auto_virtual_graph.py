@@ -40,7 +40,8 @@ from .._base.problems import Problem, raise_errors
 from ..errors import InvalidModel
 from .layout import VIRTUAL_GRAPH
 
-__all__ = ["AutoSplitError", "GRAD_READS", "auto_ipus", "auto_placed", "with_auto_ipus"]
+__all__ = ["AutoSplitError", "GRAD_READS", "auto_ipus", "auto_placed", "tensor_bytes",
+           "with_auto_ipus"]
 
 #: For each op type, what its gradient reads of the forward op: ``"in"`` its inputs, ``"out"``
 #: its outputs, ``"both"``; op types not listed need only the incoming gradient (cost 0).
@@ -86,7 +87,7 @@ class _Subgraph:
         return op
 
 
-def _sizes(model: onnx.ModelProto) -> dict[str, int]:
+def tensor_bytes(model: onnx.ModelProto) -> dict[str, int]:
     """Bytes of every tensor whose type and shape ONNX can infer (0 where it cannot)."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
@@ -125,7 +126,7 @@ def auto_ipus(model: onnx.ModelProto, num_ipus: int, training: bool,
     nodes = list(graph.node)
     if num_ipus <= 1:
         return [0] * len(nodes)
-    sizes = _sizes(model)
+    sizes = tensor_bytes(model)
     weights = {t.name for t in graph.initializer}
     weights |= {o for n in nodes if n.op_type == "Constant" for o in n.output}
     streamed = [v.name for v in graph.input if v.name not in weights]

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from .._base.problems import Problem, emit_warnings, raise_errors
 from ..errors import ModelError, ModelTypeError, short
+from .builder_settings import EXECUTION_PHASE
 
 if TYPE_CHECKING:
     from .._config.fields import SessionFields
@@ -168,6 +169,7 @@ class StagedOp:
     outputs: tuple[str, ...]
     stage: int | None
     ipu: int | None
+    phase: int | None = None   # its execution phase (__execution_phase), when annotated
 
 
 def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:
@@ -216,7 +218,8 @@ class PipelineLayout:
             ops.append(StagedOp(label, node.op_type,
                                 tuple(i for i in node.input if i), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
-                                _int_attribute(node, VIRTUAL_GRAPH)))
+                                _int_attribute(node, VIRTUAL_GRAPH),
+                                _int_attribute(node, EXECUTION_PHASE)))
         return cls(ops, [t.name for t in proto.graph.initializer])
 
     # -- the model's own rules ----------------------------------------------------------------
@@ -448,6 +451,15 @@ class PipelineLayout:
                 runs.append((*key, [op.name]))
         return runs
 
+    @property
+    def phases(self) -> list[tuple[int, int | None, list[str]]]:
+        """The execution phases in order: (phase, IPU, op names); empty without phases."""
+        found: dict[int, tuple[int | None, list[str]]] = {}
+        for op in self.ops:
+            if op.phase is not None:
+                found.setdefault(op.phase, (op.ipu, []))[1].append(op.name)
+        return [(phase, ipu, names) for phase, (ipu, names) in sorted(found.items())]
+
     def allocation_table(self) -> str:
         """The device allocation as text: which ops sit on which stage and IPU."""
         from .._base.render import to_text
@@ -466,6 +478,16 @@ def allocation_view(layout: PipelineLayout) -> Any:
 
     from .._base.render import cell
 
+    if layout.phases:  # a phased model: each phase on its IPU, in order
+        table = Table(title=f"Device allocation: {len(layout.phases)} execution phases",
+                      title_justify="left")
+        for column, justify in (("phase", "right"), ("IPU", "right"), ("ops", "right"),
+                                ("first … last op", "left")):
+            table.add_column(column, justify=justify)
+        for phase, ipu, names in layout.phases:
+            span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+            table.add_row(cell(phase), cell(ipu), str(len(names)), span)
+        return table
     how = " (stages inferred from IPUs)" if layout.inferred else ""
     table = Table(title=f"Device allocation: {layout.forward_stages} forward stages{how}",
                   title_justify="left")

@@ -25,6 +25,7 @@ from .._config.unknown_keys import checked_keywords
 from .._host.stepio import StepIOFactory
 from .._model.auto_virtual_graph import auto_placed
 from .._model.checks import check_model
+from .._model.execution_phases import phase_placed
 from .._model.index_check import IndexChecks
 from .._model.layout import PipelineLayout, load_model
 from ..errors import (
@@ -60,6 +61,8 @@ class _Session:
         check_model(self.model)
         if config.virtual_graph_mode == "auto":
             self.model = auto_placed(self.model, config)
+        elif config.virtual_graph_mode == "execution_phases":
+            self.model = phase_placed(self.model, config)
         self.layout = PipelineLayout.from_model(self.model)
         self.micro_batch_size = _micro_batch_size(self.model, config)
         if config.pipeline.enabled or self.layout.is_annotated:
