@@ -71,8 +71,17 @@ class _Enum(enum.Enum):
         return f"{type(self).__name__}.{self.name}"
 
 
+#: Enums whose C++ values are not their position in the binding's member order (int() of a
+#: member gives the C++ value, as pybind11 does): DataType (willow/include/popart/datatype.hpp).
+_CPP_ORDER = {"DataType": ["UINT8", "INT8", "FLOAT8_143", "FLOAT8_152", "UINT16", "INT16",
+                           "INT32", "INT64", "UINT32", "UINT64", "BOOL", "FLOAT", "FLOAT16",
+                           "BFLOAT16", "DOUBLE", "COMPLEX64", "COMPLEX128", "STRING",
+                           "UNDEFINED"]}
+
+
 def _enum(name: str, members: Sequence[str]) -> type[_Enum]:
-    return _Enum(name, [(m, i) for i, m in enumerate(members)])  # type: ignore[return-value]
+    order = _CPP_ORDER.get(name, members)
+    return _Enum(name, [(m, order.index(m)) for m in members])  # type: ignore[return-value]
 
 
 # Every enum a SessionOptions attribute uses, from the option catalog (PopART's member order);

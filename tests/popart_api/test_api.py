@@ -281,3 +281,10 @@ def test_poplar_debug_info_is_written_with_no_contexts_off_the_ipu(tmp_path):
     popart.closePoplarDebugInfo()
     assert json.loads(target.read_text()) == {"contexts": [], "stringTable": []}
     assert popart.versionNumber() == (3, 4, 0) and popart.versionString().startswith("3.4.0")
+
+
+def test_data_type_members_convert_to_popart_s_cpp_values():
+    # datatype.hpp: UINT8 = 0, INT8, FLOAT8_143, FLOAT8_152, UINT16, ..., BOOL, FLOAT (11), ...
+    assert int(popart.DataType.UINT8) == 0 and int(popart.DataType.FLOAT8_143) == 2
+    assert int(popart.DataType.FLOAT) == 11 and int(popart.DataType.FLOAT16) == 12
+    assert int(popart.DataType.UNDEFINED) == 18
