@@ -351,14 +351,6 @@ def test_what_training_on_xla_refuses(monkeypatch):
         pk.TrainingSession(model, cfg, loss=probs, optimizer=pk.SGD(0.1), backend="xla")
     with pytest.raises(TypeError, match="give pk.SGD"):
         pk.TrainingSession(model, cfg, loss=loss, optimizer=0.1, backend="xla")
-    b = pk.Builder()
-    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
-    w = b.addInitializedInputTensor(np.ones(2, np.float32))
-    dropped = b.aiOnnx.dropout([b.aiOnnx.mul([x, w])], 1, ratio=0.5)[0]
-    l1 = b.aiGraphcore.l1loss([dropped], 1.0)
-    with pytest.raises(ValidationError, match="drops at random when training"):
-        pk.TrainingSession(b.getModelProto(), cfg, loss=l1, optimizer=pk.SGD(0.1),
-                           backend="xla")
 
 
 def test_prepare_compiles_the_training_step():

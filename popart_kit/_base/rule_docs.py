@@ -316,7 +316,18 @@ RULES: dict[str, tuple[str, str]] = {
                        "(ir.cpp checkForDimParams), in the same words."),
     "K-xla-unsupported": ("Operators the xla backend lowers.", "xla backend."),
     "K-xla-node-failed": ("A node the xla backend could not compute.", "xla backend."),
-    "K-xla-dropout": ("Dropout in training on xla needs a seed.", "xla backend."),
+    "K-xla-dropout": ("Random operators on xla (Dropout and ShapedDropout in a training "
+                      "session, RandomNormal/RandomUniform(Like) in any) draw from the "
+                      "session's seed (set_random_seed; until set, one from the clock): the "
+                      "same seed repeats the runs, and each micro-batch, step and replica "
+                      "draws its own values; Dropout keeps 1 - ratio of the elements, scales "
+                      "them by 1/(1 - ratio) and masks its gradient alike. The generator is "
+                      "JAX's threefry, not Poplar's: same distributions, not the same numbers "
+                      "as an IPU for the same seed.",
+                      "Session::setRandomSeed; the seed offset per replica and moved on per "
+                      "step (irlowering.cpp initRandomSeed, GetRandomSeedOp); Dropout is the "
+                      "identity in an InferenceSession (dropoutx.cpp); a seed attribute is "
+                      "refused (randombase.cpp)."),
     "K-xla-distributed": ("One xla process runs one instance.", "xla backend."),
     "K-xla-only": ("A feature only the xla backend has.", "xla backend."),
 }

@@ -32,6 +32,8 @@ from .builder_base import (
     signature,
 )
 from .builder_settings import NodeSettings, scope_attributes
+from .builder_subgraphs import SubgraphBuilding, control_method, control_methods
+from .builder_subgraphs import call as subgraph_call
 from .graphcore import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 from .onnx_ops import OpSignature, signatures
@@ -177,6 +179,9 @@ class _AiOnnx:
         self._ops = signatures(version)
 
     def __getattr__(self, name: str) -> Any:
+        control = control_method(self._builder, self.version, name)  # If, Loop, Scan
+        if control is not None:
+            return control
         try:
             op = self._ops[name]
         except KeyError:
@@ -184,7 +189,7 @@ class _AiOnnx:
         return functools.partial(_call_onnx_op, self._builder, op)
 
     def __dir__(self) -> list[str]:
-        return sorted(self._ops)
+        return sorted({*self._ops, *control_methods(self.version)})
 
 
 _LIST_ATTRIBUTES = frozenset({onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
@@ -253,6 +258,45 @@ def _listed_types(schema: onnx.defs.OpSchema, node: onnx.NodeProto,
                 changed = True
                 break
     return out if changed else None
+
+
+def _resize_as_onnx(node: onnx.NodeProto, version: int, inputs: dict[str, onnx.TypeProto],
+                    data: dict[str, onnx.TensorProto]) -> onnx.NodeProto:
+    """A Resize as ONNX's inference takes it, for forms PopART's builder takes too: ``scales``
+    omitted ("") beside ``sizes`` (given as an empty tensor, as ONNX writes it), float16
+    scales and int32 sizes (read as float32 and int64, as PopART reads them). Updates
+    ``inputs`` and ``data``."""
+    at = 1 if version < 11 else 2
+    if len(node.input) > at + 1 and not node.input[at]:
+        node = onnx.NodeProto.FromString(node.SerializeToString())
+        node.input[at] = "scales (empty)"
+        data[node.input[at]] = numpy_helper.from_array(np.zeros(0, np.float32), "")
+    for i, kind, wanted in ((at, onnx.TensorProto.FLOAT16, np.float32),
+                            (at + 1, onnx.TensorProto.INT32, np.int64)):
+        name = node.input[i] if i < len(node.input) else ""
+        if name in data and data[name].data_type == kind:
+            data[name] = numpy_helper.from_array(numpy_helper.to_array(data[name]).astype(wanted))
+        if name in data:
+            inputs[name] = helper.make_tensor_type_proto(data[name].data_type, data[name].dims)
+    return node
+
+
+def _with_hidden_size(node: onnx.NodeProto, inputs: Mapping[str, onnx.TypeProto]
+                      ) -> onnx.NodeProto:
+    """An ai.onnx LSTM, GRU or RNN without hidden_size, given the one its recurrence weights R
+    [directions, gates * hidden, hidden] have, for inference (PopART's setup takes it from R;
+    ONNX's inference leaves the dimension unknown); any other node as it is."""
+    if (node.op_type not in ("LSTM", "GRU", "RNN") or len(node.input) < 3
+            or any(a.name == "hidden_size" for a in node.attribute)):
+        return node
+    r = inputs.get(node.input[2])
+    dims = r.tensor_type.shape.dim if r is not None and r.tensor_type.HasField("shape") else ()
+    if len(dims) != 3 or not dims[2].HasField("dim_value"):
+        return node
+    typed = onnx.NodeProto()
+    typed.CopyFrom(node)
+    typed.attribute.append(helper.make_attribute("hidden_size", dims[2].dim_value))
+    return typed
 
 
 def _known_shape(builder: Builder, tensor: str) -> list[int] | None:
@@ -358,6 +402,12 @@ class _AiGraphcore:
         return self._builder._add_node("Gelu", list(args), 1, {}, debugContext,
                                        domain=AI_GRAPHCORE, custom_type=(source, source))[0]
 
+    def call(self, args: Sequence[str], num_outputs: int, callee: Builder,
+             debugName: str = "") -> list[str]:
+        """PopART's Call: ``callee``'s graph (a sub-builder) run on ``args``, its inputs in
+        order; the graph's outputs (``num_outputs`` of them)."""
+        return subgraph_call(self._builder, args, num_outputs, callee, debugName)
+
     def __getattr__(self, name: str) -> Any:
         if name not in GRAPHCORE_OPS:
             raise AttributeError(f"aiGraphcore has no operator {name!r}; popart_kit offers "
@@ -366,24 +416,27 @@ class _AiGraphcore:
         return functools.partial(self._op, name)
 
     def __dir__(self) -> list[str]:
-        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu"})
+        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu", "call"})
 
-    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str | list[str]:
+    def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str | list[str] | None:
         entry = GRAPHCORE_OPS[method]
         names = [p[0] for p in entry.params] + ["debugContext"]
-        if len(rest) > len(names) or set(kwargs) - set(names):
+        attrs: dict[str, Any] = {}
+        if entry.bind is not None:
+            inputs, given, attrs = entry.bind(self._builder, args, *rest, **kwargs)
+        elif len(rest) > len(names) or set(kwargs) - set(names):
             raise TypeError(f"aiGraphcore.{method}(args, {', '.join(names)}): got "
                             f"{len(rest)} positional and {sorted(kwargs)}")
-        given = dict(zip(names, rest, strict=False)) | kwargs
-        inputs = [args] if isinstance(args, str) else list(args)
-        attrs: dict[str, Any] = {}
+        else:
+            given = dict(zip(names, rest, strict=False)) | kwargs
+            inputs = [args] if isinstance(args, str) else list(args)
         for pname, kind, default in entry.params:
             value = given.get(pname, default)
             if value is REQUIRED:
                 raise TypeError(f"aiGraphcore.{method}: missing argument {pname!r}.")
             value = entry.convert(pname, kind, value)
             if value is not None:
-                attrs[pname] = value
+                attrs[entry.attribute(pname)] = value
         builder = self._builder
         count = attrs.pop(entry.outputs) if isinstance(entry.outputs, str) else entry.outputs
         in_types = [builder._tensor_type_of(t) for t in inputs if t in builder._types]
@@ -392,16 +445,22 @@ class _AiGraphcore:
                          for dtype, shape in entry.infer(in_types, attrs)][:count]
         except (ValueError, IndexError, KeyError) as err:
             raise BuilderError(f"aiGraphcore.{method} on {inputs}: {err}") from None
-        ids = builder._add_node(entry.op_type, inputs, count, attrs,
+        empty = [k for k, v in attrs.items() if isinstance(v, list) and not v]
+        ids = builder._add_node(entry.op_type, inputs, count,
+                                {k: v for k, v in attrs.items() if k not in empty},
                                 given.get("debugContext", ""), domain=AI_GRAPHCORE,
                                 out_types=out_types)
-        return ids if entry.returns_list else ids[0]
+        # an empty list (reducemedian's axes=[]) is an INTS attribute make_node cannot type
+        builder._graph.node[-1].attribute.extend(
+            helper.make_attribute(k, [], attr_type=onnx.AttributeProto.INTS) for k in empty)
+        return ids if entry.returns_list else ids[0] if ids else None
 
 
-class Builder(NodeSettings):
+class Builder(NodeSettings, SubgraphBuilding):
     """An ONNX model builder with popart.Builder's methods (see the module docstring); the
     per-node settings (recomputation, execution phases, partials ...) and the typed attribute
-    accessors are :class:`~popart_kit._model.builder_settings.NodeSettings`."""
+    accessors are :class:`~popart_kit._model.builder_settings.NodeSettings`, sub-builders
+    :class:`~popart_kit._model.builder_subgraphs.SubgraphBuilding`."""
 
     def __init__(self, opsets: dict[str, int] | None = None) -> None:
         opsets = dict(opsets or {})
@@ -425,6 +484,8 @@ class Builder(NodeSettings):
         self._data: dict[str, onnx.TensorProto] = {}  # constants and initializers
         self._scopes: dict[str, list[Any]] = {}
         self._uses_graphcore = False
+        self._parent: Builder | None = None      # the enclosing builder of a sub-builder
+        self._children: list[Builder] = []
         self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
 
     def _choose_onnx(self, version: int) -> _AiOnnx:
@@ -465,7 +526,7 @@ class Builder(NodeSettings):
         """PopART's unique ids: name scopes, then the name, then "/1", "/2"... if taken."""
         base = self.getNameScope(name)
         proposed, counter = base, 0
-        while proposed in self._types:
+        while self._taken(proposed):
             counter += 1
             proposed = f"{base}{_DELIMITER}{counter}"
         return proposed
@@ -493,8 +554,10 @@ class Builder(NodeSettings):
         # then the open scopes' attributes (__pipeline_stage, __ipu_number, __execution_phase
         # ...), by name, as PopART's BuilderImpl::finalizeOp adds them after the op's own
         node.attribute.extend(scope_attributes(self._scopes))
+        untyped = any(t and not self._types[t].tensor_type.elem_type for t in inputs)
         try:
             types = (dict(zip(ids, out_types, strict=False)) if out_types is not None else
+                     {} if untyped else  # a subgraph's untyped input: typed when called
                      self._custom_types(ids[0], custom_type) if custom_type else
                      self._infer(node, domain))
         except onnx.shape_inference.InferenceError as err:
@@ -515,7 +578,10 @@ class Builder(NodeSettings):
         ONNX's inference leniently and its ops take such types."""
         schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
         inputs = {t: self._types[t] for t in node.input if t}
+        node = _with_hidden_size(node, inputs)
         data = {t: self._data[t] for t in node.input if t in self._data}
+        if node.op_type == "Resize" and not domain:
+            node = _resize_as_onnx(node, self._onnx_version, inputs, data)
 
         def infer(types: dict[str, onnx.TypeProto]) -> dict[str, onnx.TypeProto]:
             return dict(onnx.shape_inference.infer_node_outputs(
@@ -621,12 +687,7 @@ class Builder(NodeSettings):
         return opsets
 
     def _proto(self) -> onnx.ModelProto:
-        graph = onnx.GraphProto()
-        graph.CopyFrom(self._graph)
-        known = {v.name for v in (*graph.input, *graph.output)}
-        for tensor, type_proto in self._types.items():
-            if tensor not in known and type_proto.HasField("tensor_type"):
-                graph.value_info.append(onnx.ValueInfoProto(name=tensor, type=type_proto))
+        graph = self._graph_proto()
         model = helper.make_model(graph, opset_imports=self._opsets(),
                                   producer_name="popart_kit")
         model.ir_version = helper.find_min_ir_version_for(self._opsets(), ignore_unknown=True)

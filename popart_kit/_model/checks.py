@@ -17,6 +17,7 @@ import onnx
 
 from .._base.problems import Problem, raise_errors
 from ..errors import InvalidModel, clip
+from .builder_subgraphs import without_branch_inputs
 
 __all__ = ["model_problems", "check_model"]
 
@@ -194,20 +195,37 @@ def _popart_extra(node: onnx.NodeProto, schema: onnx.defs.OpSchema | None, name:
             schema.attributes and name in _POPART_READS.get(node.op_type, ()))
 
 
+def _scales_omitted(node: onnx.NodeProto, schema: onnx.defs.OpSchema | None) -> bool:
+    """A Resize-11 whose scales are "" beside sizes: PopART's builder writes it so, ONNX's
+    text allows it, its schema (scales not optional) does not."""
+    return (schema is not None and schema.since_version == 11 and len(node.input) > 3
+            and not node.input[2])
+
+
 def _without_popart_extras(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model``, or a copy without the attributes of :data:`_POPART_READS` where its schema
-    lacks them (for onnx.checker)."""
+    """``model``, or a copy as onnx.checker takes it: without the attributes of
+    :data:`_POPART_READS` where its schema lacks them, omitted Resize scales given as an empty
+    Constant."""
     opsets = _opsets(model)
-    if not any(_popart_extra(node, _schema(node, opsets), a.name) for node in model.graph.node
-               if node.op_type in _POPART_READS for a in node.attribute):
+    if not any(_scales_omitted(node, schema) or any(_popart_extra(node, schema, a.name)
+                                                    for a in node.attribute)
+               for node in model.graph.node if node.op_type in _POPART_READS
+               for schema in [_schema(node, opsets)]):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    empty = "scales (empty)"
     for node in copy.graph.node:
         if node.op_type in _POPART_READS:
             schema = _schema(node, opsets)
             for attr in [a for a in node.attribute if _popart_extra(node, schema, a.name)]:
                 node.attribute.remove(attr)
+            if _scales_omitted(node, schema):
+                node.input[2] = empty
+    if any(node.input[2:3] == [empty] for node in copy.graph.node):
+        copy.graph.node.insert(0, onnx.helper.make_node(
+            "Constant", [], [empty], value=onnx.helper.make_tensor(empty, onnx.TensorProto.FLOAT,
+                                                                   [0], [])))
     return copy
 
 
@@ -242,7 +260,7 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
 def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     """onnx.checker's structural check (PopART's), then ONNX's strict shape and type inference
     (the kit's: PopART infers leniently, so under popart_kit.popart it only warns)."""
-    model = _without_popart_extras(model)
+    model = without_branch_inputs(_without_popart_extras(model))
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
@@ -260,6 +278,9 @@ def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
         return [_problem("checker", f"ONNX shape and type inference refuses the model: {text}",
                          "correct the node it names (shapes, types and attributes as the "
                          "operator's schema says).", "K-model-onnx-inference")]
+    except ValueError as err:  # a value no ONNX type has (a data type number, ...)
+        return [_problem("checker", f"onnx cannot read the model: {clip(str(err), 300)}",
+                         "correct the value it names.", "K-model-onnx-checker")]
     return []
 
 

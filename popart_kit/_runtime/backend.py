@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .._config.session_config import SessionConfig
     from .._host.stepio import StepIOFactory
 
-__all__ = ["Backend", "TrainingBackend", "make_backend", "check_weights", "BACKENDS",
+__all__ = ["Backend", "TrainingBackend", "make_backend", "resolved", "check_weights", "BACKENDS",
            "IMPLEMENTATIONS"]
 
 BACKENDS = ("auto", "xla", "popart")
@@ -90,6 +90,14 @@ def _sdk_importable() -> bool:
     return True
 
 
+def resolved(name: str, popart: Any = None) -> str:
+    """The backend a session named ``name`` runs on: ``auto`` is ``popart`` where the Poplar SDK
+    imports (or a module is given), else ``xla``."""
+    if name == "auto":
+        return "popart" if popart is not None or _sdk_importable() else "xla"
+    return name
+
+
 def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
                  anchors: Mapping[str, AnchorReturnType], popart: Any = None,
                  loss: str | None = None, optimizer: Any = None,
@@ -101,8 +109,7 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
     if name not in BACKENDS:
         raise ConfigError(f"backend={name!r}: use one of {', '.join(BACKENDS)}.",
                           rule="K-session-type")
-    if name == "auto":
-        name = "popart" if popart is not None or _sdk_importable() else "xla"
+    name = resolved(name, popart)
     if name == "popart":
         if xla_options:
             raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in xla_options.items())}: "

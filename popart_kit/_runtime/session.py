@@ -36,7 +36,7 @@ from ..errors import (
     SessionClosedError,
     clip,
 )
-from .backend import BACKENDS, Backend, make_backend
+from .backend import BACKENDS, Backend, make_backend, resolved
 from .optimizers import SGD, Adam, Adaptive
 
 __all__ = ["InferenceSession", "TrainingSession"]
@@ -49,7 +49,7 @@ class _Session:
     _live: Backend | None = None  # None once closed (or before the backend is made)
 
     def _open(self, model: onnx.ModelProto | bytes | str | os.PathLike, config: SessionConfig,
-              anchors: Any, backend: Any, check_indices: Any) -> None:
+              anchors: Any, backend: Any, check_indices: Any, popart: Any = None) -> None:
         _check_arguments(type(self).__name__, config, anchors, backend, check_indices)
         if config.mode != self._mode:
             other = "TrainingSession" if config.mode == "training" else "InferenceSession"
@@ -59,10 +59,12 @@ class _Session:
         self.config = config
         self.model = load_model(model)
         check_model(self.model)
-        if config.virtual_graph_mode == "auto":
-            self.model = auto_placed(self.model, config)
-        elif config.virtual_graph_mode == "execution_phases":
-            self.model = phase_placed(self.model, config)
+        # on the xla backend the kit places the ops as PopART would; PopART places its own
+        if backend in BACKENDS and resolved(backend, popart) == "xla":
+            if config.virtual_graph_mode == "auto":
+                self.model = auto_placed(self.model, config)
+            elif config.virtual_graph_mode == "execution_phases":
+                self.model = phase_placed(self.model, config)
         self.layout = PipelineLayout.from_model(self.model)
         self.micro_batch_size = _micro_batch_size(self.model, config)
         if config.pipeline.enabled or self.layout.is_annotated:
@@ -121,6 +123,12 @@ class _Session:
     def prepare(self) -> None:
         """Compile (and, on an IPU, load) the program; ``run`` does it when needed."""
         self._backend.prepare()
+
+    def set_random_seed(self, seed: int) -> None:
+        """Seed the model's random operators (Dropout when training, RandomNormal, ...): the
+        runs from here on draw the same values for the same seed, each micro-batch and
+        replica its own (PopART's setRandomSeed; until it is called, a seed from the clock)."""
+        self._backend.set_random_seed(seed)
 
     def close(self) -> None:
         """Release the session now rather than when it is collected: a pipelined xla session's
@@ -197,7 +205,7 @@ class InferenceSession(_Session):
                  check_indices: bool = True, pipeline_workers: str | None = None) -> None:
         proto = load_model(model)
         self._open(proto, config, anchors if anchors is not None else {
-            o.name: "All" for o in proto.graph.output}, backend, check_indices)
+            o.name: "All" for o in proto.graph.output}, backend, check_indices, popart)
         if not self.anchors:
             raise ConfigError("an inference session needs at least one anchor (PopART: 'User "
                              "must specify an anchor tensor when doing inference'). Fix: pass "
@@ -237,7 +245,7 @@ class TrainingSession(_Session):
             raise ConfigTypeError(f"loss must be the name of the loss tensor (a str), got "
                                   f"{type(loss).__name__}.", rule="K-session-type")
         self._open(model, config, anchors if anchors is not None else {loss: "Final"}, backend,
-                   check_indices)
+                   check_indices, popart)
         self._live = make_backend(
             backend, self.model, config, self.anchors, popart, loss=loss, optimizer=optimizer,
             micro_batches_per_chunk=micro_batches_per_chunk, check_finite=check_finite,
@@ -264,10 +272,6 @@ class TrainingSession(_Session):
         except ValidationError as err:
             raise InvalidConfig.wrap(err) from None
         self.set_optimizer(optimizer)
-
-    def set_random_seed(self, seed: int) -> None:
-        """Seed the session's random operators (the same seed gives the same run)."""
-        self._backend.set_random_seed(seed)
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state as host arrays: ``{}`` for SGD without momentum,

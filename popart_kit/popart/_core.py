@@ -113,6 +113,8 @@ for _name, _members in {
     "CollectiveOperator": ["Add", "Mean", "Mul", "Min", "Max", "LogicalAnd", "LogicalOr",
                            "SquareAdd", "Local"],
     "ScatterReduction": ["Sum", "Max", "Min", "Mul", "NoReduction"],
+    "InitType": ["NoInit", "Zero"],
+    "TensorRemapType": ["FwdBwdReverse", "FwdBwd", "Fwd"],
     "VariableRetrievalMode": ["OnePerGroup", "AllReduceReplicas", "AllReplicas"],
 }.items():
     ENUMS.setdefault(_name, _enum(_name, _members))

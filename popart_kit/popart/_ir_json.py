@@ -60,10 +60,21 @@ def ir_json(model: onnx.ModelProto) -> str:
                  "type": types.get(n, ("[]", "UNDEFINED"))[1], "index": str(i)}
                 for i, n in enumerate(names) if n]
 
-    ops = [{"type": node.op_type, "name": node.name,
-            "inputs": tensors(node.input), "outputs": tensors(node.output),
-            "attributes": {a.name: _attribute_text(a) for a in node.attribute}}
-           for node in model.graph.node if node.op_type != "Constant"]
+    def ops(graph: onnx.GraphProto) -> list[dict[str, Any]]:
+        return [{"type": node.op_type, "name": node.name,
+                 "inputs": tensors(node.input), "outputs": tensors(node.output),
+                 "attributes": {a.name: _attribute_text(a) for a in node.attribute}}
+                for node in graph.node if node.op_type != "Constant"]
+
     name = model.graph.name
     key = name if name and not name.startswith("BuilderGraph") else "maingraph"
-    return json.dumps({key: ops})
+    out = {key: ops(model.graph)}
+    todo = [model.graph]
+    while todo:  # the graphs of Call, If, Loop and Scan nodes, by name, as PopART's IR has them
+        for node in todo.pop().node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    out.setdefault(attr.g.name or f"{node.name or node.op_type}/{attr.name}",
+                                   ops(attr.g))
+                    todo.append(attr.g)
+    return json.dumps(out)

@@ -52,6 +52,16 @@ _RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomU
                          "RandomUniformLike", "Multinomial", "Bernoulli", "ShapedDropout"})
 
 
+def _has_random_ops(model: onnx.ModelProto) -> bool:
+    """Whether a node of the model, its subgraphs or its functions is a random operator."""
+    def random(nodes: Any) -> bool:
+        return any(n.op_type in _RANDOM_OPS or any(
+            random(g.node) for a in n.attribute for g in ([a.g] if a.HasField("g") else a.graphs))
+            for n in nodes)
+
+    return random(model.graph.node) or any(random(f.node) for f in model.functions)
+
+
 def _load(fnModel: Any) -> onnx.ModelProto:
     """The model PopART's ``fnModel`` names: a ModelProto, its bytes, a path, or the bytes as
     a str (as PopART's bindings take them); everything the kit's loader refuses is a
@@ -229,24 +239,40 @@ class _Session:
     def loadEngineAndConnectStreams(self) -> None:
         """Nothing to load on the xla runtime."""
 
-    def setRandomSeed(self, seedValue: int) -> None:
-        if not isinstance(seedValue, int) or not 0 <= seedValue < 2**64:
-            raise TypeError(f"setRandomSeed({seedValue!r}): the seed is a uint64.")
-        # PopART's Session::setRandomSeed: a session without random behaviour ignores it (with
-        # a warning); one with it needs prepareDevice first
-        random = self.options.enableStochasticRounding or any(
-            node.op_type in _RANDOM_OPS for node in self.model.graph.node)
+    def _random(self, what: str) -> bool:
+        """PopART's Ir::getRequiresRandomSeed: random operators or stochastic rounding; a
+        session without them warns that ``what`` does nothing."""
+        random = self.options.enableStochasticRounding or _has_random_ops(self.model)
         if not random:
             _logging.getLogger("popart.session").warning(
-                "Trying to set the random seed, but this session has no random behaviour. "
-                "Doing nothing.")
+                f"Trying to {what}, but this session has no random behaviour. Doing nothing.")
+        return random
+
+    def setRandomSeed(self, seedValue: int) -> None:
+        """Seed the session's random operators: the runs from here on draw the same values
+        for the same seed (each step and replica its own; not Poplar's numbers, see
+        popart_kit._runtime.xla.ops_random). PopART's Session::setRandomSeed: a session
+        without random behaviour ignores it (with a warning); one with it needs
+        prepareDevice first."""
+        if isinstance(seedValue, bool) or not isinstance(seedValue, int) or \
+                not 0 <= seedValue < 2**64:
+            raise TypeError(f"setRandomSeed({seedValue!r}): the seed is a uint64.")
+        if not self._random("set the random seed"):
             return
         self._require_prepared("Devicex::setRandomSeedFromHost(uint64_t)")
         self._seed = seedValue
-        if hasattr(self._kit, "set_random_seed"):
-            self._kit.set_random_seed(seedValue)
+        self._kit.set_random_seed(seedValue)
 
     def getRandomSeed(self) -> int:
+        """The seed the next run continues from (moved on by every step since it was set:
+        setRandomSeed(getRandomSeed()) continues the same sequence); 0, with a warning, for a
+        session without random behaviour."""
+        if not self._random("get the random seed"):
+            return 0
+        self._require_prepared("Devicex::getRandomSeedToHost()")
+        runtime = self._kit.runtime
+        if hasattr(runtime, "random_seed"):
+            return int(runtime.random_seed())
         return self._seed or 0
 
     def initAnchorArrays(self) -> dict[str, np.ndarray]:

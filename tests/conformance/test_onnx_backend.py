@@ -39,6 +39,14 @@ KNOWN_FAILURES = {
     for name in ("3d_causal", "4d_causal", "4d_padded_kv", "4d_causal_padded_kv",
                  "4d_attn_mask_causal")
 }
+# Random draws: the expected values come from numpy's generator, the xla backend's from JAX's
+# threefry (ops_random), so only their distributions agree (tested in test_random_ops.py).
+KNOWN_FAILURES.update({
+    name: "random draws: numpy's generator in the reference, JAX's threefry here"
+    for name in ("test_training_dropout", "test_training_dropout_default",
+                 "test_training_dropout_default_mask", "test_training_dropout_mask",
+                 "test_bernoulli_double_expanded")
+})
 
 
 def _in_table(model: onnx.ModelProto) -> bool:

@@ -42,13 +42,23 @@ CONVERTERS: dict[str, Callable[[Any], Any]] = {
 class GraphcoreOp:
     """One ``aiGraphcore`` method: the op type it adds (domain ai.graphcore, version 1), its
     parameters after ``args``, how many outputs it has (a count, or the name of the parameter
-    that gives it) and whether PopART returns them as a list."""
+    that gives it), whether PopART returns them as a list, and the attribute names that are not
+    the parameter's own (``renamed``: (parameter, attribute) pairs)."""
 
     op_type: str
     params: tuple[tuple[str, str | Callable[[Any], Any], object], ...] = ()
     infer: Infer = same
     outputs: int | str = 1
     returns_list: bool = False
+    renamed: tuple[tuple[str, str], ...] = ()
+    # PopART signatures the generic binding does not fit (init: a shape and no inputs, two
+    # overloads; tensorremap: debugPrefix): bind(builder, args, *rest, **kwargs) gives the
+    # inputs, the parameters' values by name (debugContext too) and attributes of its own.
+    bind: Callable[..., tuple[list[str], dict[str, Any], dict[str, Any]]] | None = None
+
+    def attribute(self, name: str) -> str:
+        """The ONNX attribute that parameter ``name`` sets."""
+        return dict(self.renamed).get(name, name)
 
     def convert(self, name: str, kind: str | Callable[[Any], Any], value: Any) -> Any:
         """The attribute value of parameter ``name`` (None leaves the attribute out)."""

@@ -13,7 +13,9 @@ lock, profiling and peer-watching.
 * ``PipelineExecutor`` (:mod:`.pipeline`): each stage its own programs on its own devices.
 
 The first two run the same math, a :class:`StepFunctions`: the per-chunk work, the update and
-the flags a backend defines once.
+the flags a backend defines once. Randomness needs nothing of an executor: a model with random
+operators takes each micro-batch's and replica's seed as one more stream input
+(:data:`~.ops_random.RANDOM_STREAM`, made by the session's :class:`~.state.RandomSeed`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@ refuses, or a compile-time input that is not a constant is reported, all of them
 :class:`UnsupportedModel`, naming each node (its name, else its first output) and op type. A node
 that fails while evaluating (a shape mistake JAX finds) raises :class:`NodeFailed` naming the node,
 its op type and its input shapes.
+
+Subgraphs (the graph attributes of Call, If, Loop and Scan nodes) are lowered once, with their
+node, into a :class:`Body` the op calls (``ops_control``); a problem inside one is reported with
+its path (``node (If): subgraph then_branch (name): ...``). What a subgraph reads from enclosing
+graphs becomes extra inputs of its node, so it is planned, folded and fed as any input (and
+differentiated: gradients reach a weight read inside a Call or If body). An If whose condition
+is a constant lowers only the branch it takes.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..._base.problems import raise_errors
+from ..._model.builder_subgraphs import free_names, node_reads
 from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
 from ...errors import InvalidModel, ModelError, clip
@@ -50,8 +58,9 @@ from .ops import (
     partials,
     read_attributes,
 )
+from .ops_random import draws_random
 
-__all__ = ["LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
+__all__ = ["Body", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
 
 
 class UnsupportedModel(ModelError):
@@ -160,22 +169,25 @@ class LoweredGraph:
     def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
                  wanted: Sequence[str],
                  offsets: Mapping[str, Any] | None = None,
-                 fresh: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+                 fresh: Mapping[str, Any] | None = None,
+                 constants: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """The ``wanted`` tensors, computed from ``inputs`` and ``weights`` (a weight missing
         from ``weights`` takes its value from the model). ``offsets`` are added to the named
         tensors where they come into being (zeros there make the gradient with respect to any
         tensor a gradient with respect to its offset). ``fresh``: other values of some
         weights that every node reading them differentiates at, while the values computed
         stay those of ``weights`` (PopART's backward reads a weight's current value but the
-        activations stashed by the forward: pipelining's stale weights). Pure: trace it with
-        ``jax.jit``, ``jax.vmap`` or ``jax.grad``."""
+        activations stashed by the forward: pipelining's stale weights). ``constants``: inputs
+        given as compile-time (numpy) values, used as they are (a subgraph's reads of its
+        enclosing graph's shape-derived values). Pure: trace it with ``jax.jit``, ``jax.vmap``
+        or ``jax.grad``."""
         plan = self._plan(tuple(wanted) + tuple(offsets or ()))
         offsets = offsets or {}
 
         def shifted(name: str, value: Any) -> Any:
             return value + offsets[name] if name in offsets else value
 
-        env: dict[str, Any] = dict(self._known)
+        env: dict[str, Any] = {**self._known, **(constants or {})}
         for node in plan:
             for name in node.inputs:
                 if not name or name in env:
@@ -202,7 +214,9 @@ class LoweredGraph:
             except ModelError:
                 raise
             except NotSupported as err:
-                raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"]) from err
+                failed = UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"])
+                failed.popart_text = getattr(err, "popart_text", None)
+                raise failed from err
             except Exception as err:  # JAX's shape and type errors do not name the node
                 shapes = ", ".join(f"{n or '(omitted)'}: {_describe(a)}"
                                    for n, a in zip(node.inputs, args, strict=True))
@@ -260,6 +274,106 @@ def _value_type(value: onnx.ValueInfoProto) -> tuple[tuple[int | None, ...] | No
     return shape, np_dtype(tensor.elem_type)
 
 
+# -- subgraphs: the bodies of Call, If, Loop and Scan ---------------------------------------
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """What a subgraph may read of its enclosing graphs: constants, names whose values are
+    compile-time (numpy) values when tracing, and every name."""
+
+    known: Mapping[str, np.ndarray]
+    static: set[str]
+    names: set[str]
+
+
+class Body:
+    """A subgraph (the body of a Call, If, Loop or Scan node) lowered once, with the node.
+    ``body(args, scope)``: its outputs, in order, computed from ``args`` (its inputs, in
+    order) and the enclosing graph's tensors ``scope`` (by name) - for an If branch
+    (``by_name``) its inputs too are read from ``scope``, as PopART's If does."""
+
+    def __init__(self, name: str, graph: LoweredGraph, inputs: Sequence[str],
+                 outer: Sequence[str], static: set[str], by_name: bool) -> None:
+        self.name, self.graph, self.by_name = name, graph, by_name
+        self.inputs, self.outer, self.static = tuple(inputs), tuple(outer), static
+        self.outputs = tuple(graph.outputs)
+
+    def __call__(self, args: Sequence[Any], scope: Mapping[str, Any]) -> list[Any]:
+        feed = ({n: scope[n] for n in self.inputs} if self.by_name
+                else dict(zip(self.inputs, args, strict=True)))
+        constants = {}
+        for name in self.outer:
+            (constants if name in self.static else feed)[name] = scope[name]
+        got = self.graph.evaluate({}, feed, self.outputs, constants=constants)
+        return [got[n] for n in self.outputs]
+
+    def __repr__(self) -> str:
+        return f"Body({self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)})"
+
+
+def _body_input_type(value: onnx.ValueInfoProto
+                     ) -> tuple[tuple[int | None, ...] | None, np.dtype | None]:
+    """A subgraph input's declared (shape, dtype), each None where not given."""
+    try:
+        return _value_type(value)
+    except NotSupported:
+        return None, None
+
+
+def _node_graphs(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
+    return [(a.name, a.g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+
+
+def _with_outer_inputs(graph_nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes, each that calls subgraphs given as extra inputs (after its own) the tensors
+    of this graph and enclosing ones that its subgraphs read (an If branch's inputs among
+    them): the lowering plans, folds and feeds them like any input."""
+    out = []
+    for node in graph_nodes:
+        if _node_graphs(node):
+            reads = [n for n in node_reads(node) if n not in node.input]
+            node = onnx.NodeProto.FromString(node.SerializeToString())
+            node.input.extend(reads)
+            node.attribute.append(onnx.helper.make_attribute(_OUTER, reads or [""]))
+        out.append(node)
+    return out
+
+
+_OUTER = "__outer_inputs"  # a node's extra inputs: what its subgraphs read (not an attribute
+#                            read_attributes passes on: it starts with "__")
+
+
+def _with_bodies(node: onnx.NodeProto, attrs: dict[str, Any], opset: int, scope: _Outer,
+                 declared: Mapping[str, tuple[int | None, ...] | None]) -> dict[str, Any]:
+    """``attrs`` with each subgraph lowered into a :class:`Body`, and for the op: the node's
+    extra inputs (``__outer``) and its outputs' declared shapes (``__declared``)."""
+    out = dict(attrs)
+    problems = []
+    cond = scope.known.get(node.input[0]) if node.op_type == "If" and node.input else None
+    for name, graph in _node_graphs(node):
+        if cond is not None and name != ("then_branch" if np.asarray(cond).reshape(-1)[0]
+                                         else "else_branch"):
+            out[name] = None  # a branch never taken: its condition is a constant
+            continue
+        try:
+            lowered = _lower_graph(graph, opset, {}, scope)
+        except UnsupportedModel as err:
+            problems.extend(f"subgraph {name} ({graph.name or 'unnamed'}): {p}"
+                            for p in err.problems)
+            continue
+        declared_inputs = [v.name for v in graph.input]
+        reads = [n for n in lowered.inputs if n not in declared_inputs]
+        out[name] = Body(graph.name or name, lowered, declared_inputs, reads,
+                         {n for n in reads if n in scope.static}, node.op_type == "If")
+    if problems:
+        raise UnsupportedModel(problems)
+    extra = next(a for a in node.attribute if a.name == _OUTER)
+    out["__outer"] = tuple(n.decode() for n in extra.strings if n)
+    out["__declared"] = tuple(declared.get(o) for o in node.output)
+    return out
+
+
 def lower(model: onnx.ModelProto | bytes | str | Path,
           static_inputs: Mapping[str, Any] | None = None) -> LoweredGraph:
     """Check every node of ``model`` and prepare it for :meth:`LoweredGraph.evaluate`.
@@ -269,9 +383,18 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     and are then no longer inputs. Raises :class:`UnsupportedModel` listing every problem.
     """
     model = load_model(model)
-    graph, opset = model.graph, _opset(model)
-    problems: list[str] = []
     given = {k: np.asarray(v) for k, v in (static_inputs or {}).items()}
+    return _lower_graph(model.graph, _opset(model), given, None)
+
+
+def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray],
+                 outer: _Outer | None) -> LoweredGraph:
+    """:func:`lower` for one graph: the model's, or (``outer`` given: the enclosing graph's
+    tensors) the body of a Call, If, Loop or Scan node, whose initializers are constants, whose
+    inputs take the types of what the node passes, and which may read the enclosing graph's
+    tensors."""
+    problems: list[str] = []
+    refused: list[str | None] = []  # PopART's own words for each problem, where it has them
 
     initializers: dict[str, np.ndarray] = {}
     for tensor in graph.initializer:
@@ -288,6 +411,9 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     for value in graph.input:
         if value.name in initializers:
             continue
+        if outer is not None:  # typed by what the calling node passes
+            inputs[value.name] = _body_input_type(value)
+            continue
         try:
             found = _value_type(value)
             if found[0] is None:
@@ -301,10 +427,11 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     # Which tensors can be constants (A), which must be (B), which are (C).
     entries = [(node, OPS.get((GRAPHCORE if node.domain == GRAPHCORE else
                                "" if node.domain in ("", "ai.onnx") else node.domain,
-                               node.op_type))) for node in graph.node]
-    capable = {*initializers, *given}
+                               node.op_type))) for node in _with_outer_inputs(graph.node)]
+    capable = {*initializers, *given, *(outer.known if outer else ())}
     for node, entry in entries:
-        if entry and (entry.shape_only or all(i in capable for i in node.input if i)):
+        if entry and not (entry.random or draws_random(node)) and (
+                entry.shape_only or all(i in capable for i in node.input if i)):
             capable.update(node.output)
     needed: set[str] = set()
     for node, entry in reversed(entries):
@@ -314,12 +441,20 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
                       if i < len(node.input) and node.input[i] in capable)
         if not entry.shape_only and any(o in needed for o in node.output):
             needed.update(i for i in node.input if i)
+    if outer is not None:
+        needed.update(initializers)  # a subgraph has no weights of its own
     constants = {k: v for k, v in initializers.items() if k in needed}
     constants.update((k, v) for k, v in given.items() if k in needed and k in inputs)
     static: set[str] = set(constants)
     known: dict[str, np.ndarray] = dict(constants)
+    if outer is not None:  # the enclosing graph's tensors this one reads
+        reads = [n for n in free_names(graph) if n in outer.names and n not in inputs]
+        known = {**outer.known, **known}
+        static.update(n for n in reads if n in outer.known or n in outer.static)
+        inputs.update((n, (None, None)) for n in reads if n not in outer.known)
+    declared = {v.name: _body_input_type(v)[0] for v in (*graph.value_info, *graph.output)}
 
-    available = {*inputs, *initializers, *unusable}
+    available = {*inputs, *initializers, *unusable, *known}
     nodes: list[_Node] = []
     for node, entry in entries:
         label = node.name or (node.output[0] if node.output else node.op_type)
@@ -339,8 +474,15 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
             problems.append(f"{where}: {err}")
             continue
         flags = [bool(i) and i in static for i in node.input]
-        ctx = Ctx(label, node.op_type, opset, read_attributes(node), node.input, node.output,
-                  flags)
+        attrs = read_attributes(node)
+        if any(isinstance(v, onnx.GraphProto) for v in attrs.values()):
+            scope = _Outer(known, static, available | (outer.names if outer else set()))
+            try:
+                attrs = _with_bodies(node, attrs, opset, scope, declared)
+            except UnsupportedModel as err:
+                problems.extend(f"{where}: {p}" for p in err.problems)
+                continue
+        ctx = Ctx(label, node.op_type, opset, attrs, node.input, node.output, flags)
         bad = [i for i in entry.static if ctx.has_input(i) and not flags[i]]
         for i in bad:
             name = node.input[i]
@@ -348,7 +490,8 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
                     "make it an initializer)" if name in inputs else "")
             problems.append(f"{where}: input {i} ({name!r}) must be a compile-time constant - "
                             f"an initializer, a Constant or computed from shapes{hint}")
-        is_static = entry.shape_only or all(flags[i] for i, n in enumerate(node.input) if n)
+        is_static = not (entry.random or draws_random(node)) and (entry.shape_only or all(
+            flags[i] for i, n in enumerate(node.input) if n))
         if is_static:
             static.update(o for o in node.output if o)
         values = [known.get(i, UNKNOWN) if i else None for i in node.input]
@@ -357,6 +500,7 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
                 entry.check(ctx.with_values(values))
         except NotSupported as err:
             problems.append(f"{where}: {err}")
+            refused.append(getattr(err, "popart_text", None))
             continue
         if is_static and not bad and all(v is not UNKNOWN for v in values):
             try:
@@ -368,9 +512,11 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
                 problems.append(f"{where}: {err}")
                 continue
             except Exception as err:  # a model mistake found while folding constants
-                problems.append(f"{where}: cannot compute it from its constant inputs: "
-                                f"{type(err).__name__}: {err}")
-                continue
+                if outer is None:
+                    problems.append(f"{where}: cannot compute it from its constant inputs: "
+                                    f"{type(err).__name__}: {err}")
+                    continue
+                # in a subgraph (an If branch not taken?) it fails only if it runs
         nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static,
                            own_partials))
 
@@ -380,7 +526,10 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
             problems.append(f"graph output {name!r} is not produced by any node, initializer or "
                             f"input")
     if problems:
-        raise UnsupportedModel(problems)
+        failed = UnsupportedModel(problems)
+        if len(refused) == len(problems) and all(refused):
+            failed.popart_text = "\n".join(refused)  # popart_kit.popart raises PopART's text
+        raise failed
     weights = {k: v for k, v in initializers.items() if k not in constants}
     raise_errors("model", narrowing_problems("weights", weights), error=InvalidModel)
     return LoweredGraph(opset=opset,

@@ -1,7 +1,14 @@
 """The xla backend's whole operator table: :data:`OPS` from :mod:`.ops` with every family module
 that registers more operators into it imported. Read the table from here."""
 
-from . import ops_graphcore, ops_graphcore_nn, ops_resize, ops_rnn  # noqa: F401 - they register
+from . import (  # noqa: F401 - they register
+    ops_control,
+    ops_graphcore,
+    ops_graphcore_nn,
+    ops_random,
+    ops_resize,
+    ops_rnn,
+)
 from .ops import OPS
 
 __all__ = ["OPS"]

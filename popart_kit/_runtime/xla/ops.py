@@ -141,6 +141,7 @@ class Op:
     check: Callable[[Ctx], None] | None = None
     static: tuple[int, ...] = ()      # input positions that must be compile-time constants
     shape_only: bool = False          # the outputs depend on the inputs' shapes only
+    random: bool = False              # draws random numbers: never folded into a constant
 
     def __call__(self, ctx: Ctx, *inputs: Any) -> tuple[Any, ...]:
         out = self.fn(ctx, *inputs)
@@ -151,20 +152,28 @@ OPS: dict[tuple[str, str], Op] = {}
 
 
 def op(*names: str, domain: str = "", check: Callable[[Ctx], None] | None = None,
-       static: Sequence[int] = (), shape_only: bool = False) -> Callable[[Callable], Callable]:
+       static: Sequence[int] = (), shape_only: bool = False,
+       random: bool = False) -> Callable[[Callable], Callable]:
     def register(fn: Callable) -> Callable:
         for name in names:
-            OPS[(domain, name)] = Op(fn, check, tuple(static), shape_only)
+            OPS[(domain, name)] = Op(fn, check, tuple(static), shape_only, random)
         return fn
     return register
 
 
+#: PopART annotations that are part of an op's meaning, kept among its attributes: the
+#: replicated collectives' operator and replica group, MultiConv's per-convolution partials.
+SEMANTIC_ANNOTATIONS = frozenset({"__collectiveOperator", "__collectiveCommGroup",
+                                  "__collectiveReplicaGrouping", "__partials_type"})
+
+
 def read_attributes(node: NodeProto) -> dict[str, Any]:
     """A node's attributes as Python values: strings decoded, tensors as numpy arrays, lists as
-    lists; PopART's own annotations (``__pipeline_stage`` ...) left out."""
+    lists; PopART's own annotations (``__pipeline_stage`` ...) left out but for
+    :data:`SEMANTIC_ANNOTATIONS`."""
     out: dict[str, Any] = {}
     for attribute in node.attribute:
-        if attribute.name.startswith("__"):
+        if attribute.name.startswith("__") and attribute.name not in SEMANTIC_ANNOTATIONS:
             continue
         value = helper.get_attribute_value(attribute)
         if attribute.type == AttributeProto.TENSOR:
@@ -1293,23 +1302,6 @@ def mean_variance_norm(ctx: Ctx, x: Any) -> Any:
     axes = tuple(_axis(a, x.ndim) for a in ctx.attr("axes", [0, 2, 3]))
     m = jnp.mean(x, axes, keepdims=True)
     return (x - m) / (jnp.sqrt(jnp.mean(jnp.square(x - m), axes, keepdims=True)) + 1e-9)
-
-
-def _check_dropout(ctx: Ctx) -> None:
-    if ctx.opset < 7 and not ctx.attr("is_test", 0):
-        _refuse("is_test", ctx.attr("is_test", 0), (1,))
-    training = ctx.known(2)
-    if ctx.is_static(2) and training is not None and bool(training):
-        ratio = ctx.known(1)
-        if ratio is None or float(ratio) != 0.0:
-            raise NotSupported("training_mode=True with a non-zero ratio (random masks) is "
-                               "not supported; the xla backend runs Dropout as inference")
-
-
-@op("Dropout", static=(1, 2), check=_check_dropout)
-def dropout(ctx: Ctx, x: Any, ratio: Any = None, training: Any = None) -> Any:
-    _check_dropout(ctx)
-    return x, jnp.ones(jnp.shape(x), bool if ctx.opset >= 10 else jnp.result_type(x))
 
 
 # -- losses -------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ from .executors import StepResult
 from .lowering import LoweredGraph
 from .memory import check_fits
 from .ops import partials
+from .ops_graphcore_nn import group_norm_channels
+from .ops_random import RANDOM_STREAM
 from .placement import PROCESS, Placement
 from .stages import Board, RunContext, Stage, StagePrograms, StageRunner, StageSpec
 from .state import Reduction, SessionState, reduce_gradients
@@ -162,6 +164,8 @@ def split(facts: PipelineFacts, wanted: list[str], gradients: list[str] = ()
                            np.dtype(jax.dtypes.canonicalize_dtype(io[i].dtype))))
                       for i in streams)
         part = graph.part(made, inputs)
+        if RANDOM_STREAM in facts.program_inputs:  # every stage gets its micro-batches' seeds
+            streams += (RANDOM_STREAM,)
         stages.append(Stage(
             s, frozenset(made), inputs, carried, streams, tuple(sorted(part.weights)), sends,
             tuple(t for t in wanted if t in made or owner.get(t) == s and t in graph.weights),
@@ -395,7 +399,8 @@ class PipelineExecutor:
             hyper: Any) -> StepResult:
         self.start()
         config = self.facts.config
-        with jax.default_matmul_precision("float32"), partials(config.precision.partials_type):
+        with jax.default_matmul_precision("float32"), partials(config.precision.partials_type), \
+                group_norm_channels(config.popart_options.get("groupNormStridedChannelGrouping")):
             if self.processes is not None:
                 ctx = self._in_processes(inputs, state, hyper)
             else:
@@ -443,7 +448,8 @@ class PipelineExecutor:
         io = self.facts.io.inputs
         placement = self.facts.placement
         streams = [placement.stage_put({k: host[k] for k in st.streams}, self.devices[s],
-                                       {k: None if io[k].broadcast else 1 for k in st.streams})
+                                       {k: None if k in io and io[k].broadcast else 1
+                                        for k in st.streams})
                    for s, st in enumerate(self.stages)]
         local = placement.local_copy((state, hyper))
         states = [placement.to_stage(st, self.devices[s])

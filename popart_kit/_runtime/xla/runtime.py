@@ -28,7 +28,7 @@ from ..._base.problems import Problem, emit_warnings, raise_errors, under_popart
 from ..._base.shapes import AnchorReturnType, StepShape
 from ..._host.stepio import StepIOFactory, TensorSpec
 from ..._model.builder import broadcast_inputs
-from ...errors import InvalidConfig
+from ...errors import ConfigTypeError, InvalidConfig
 from ..backend import check_weights
 from . import profiling
 from .anchors import AnchorBuffers, chunk_size
@@ -37,10 +37,12 @@ from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctio
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
 from .ops import partials
+from .ops_graphcore_nn import group_norm_channels
+from .ops_random import RANDOM_STREAM, random_scope, uses_random
 from .pipeline import WORKERS, PipelineExecutor, PipelineFacts, pipeline_for
 from .placement import Placement, ensure_host_devices
-from .state import SessionState, check_finite
-from .steps import chunk_bytes, loops_on_host, vmap
+from .state import RandomSeed, SessionState, check_finite
+from .steps import LOCAL_REPLICA, chunk_bytes, loops_on_host, vmap
 
 __all__ = ["XlaBackend"]
 
@@ -62,6 +64,7 @@ class XlaBackend:
 
     name = "xla"
     trained: list[str] = []  # the weights a training backend updates
+    training = False  # whether Dropout drops (a training backend's runs)
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType],
@@ -92,6 +95,9 @@ class XlaBackend:
                                    processes=config.replication.instances)
         self.shape = StepShape.of(config)  # bps x A x R x instances
         self.micro_batches = self.shape.micro_batches
+        # a model with random operators takes each run's seeds as a stream input
+        self.random = uses_random(model)
+        self.seed = RandomSeed(time.time_ns() % 2**64)  # PopART's default: from the clock
         self.buffers = AnchorBuffers(self.anchors, {n: (s.shape, s.dtype)
                                                     for n, s in found.items()}, self.shape)
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
@@ -184,9 +190,18 @@ class XlaBackend:
     # -- shapes and chunks -----------------------------------------------------------------------
 
     def _shapes(self, inputs: Mapping[str, TensorSpec], wanted: list[str]) -> dict[str, Any]:
-        """Shapes and dtypes of ``wanted`` tensors for one micro-batch (nothing computed)."""
+        """Shapes and dtypes of ``wanted`` tensors for one micro-batch (nothing computed), as
+        one of the session's replicas computes them (a replicated collective's output shape
+        depends on their count)."""
+        def one(w: Any, x: Any) -> Any:
+            return self.graph.evaluate(w, x, wanted)
+
+        replicas = StepShape.of(self.config).global_replicas
+        if replicas > 1:
+            each = jax.vmap(one, in_axes=None, axis_size=replicas, axis_name=LOCAL_REPLICA)
+            one = lambda w, x: jax.tree.map(lambda a: a[0], each(w, x))  # noqa: E731
         return jax.eval_shape(
-            lambda w, x: self.graph.evaluate(w, x, wanted),
+            one,
             {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.graph.weights.items()},
             {k: jax.ShapeDtypeStruct(s.shape, s.dtype) for k, s in inputs.items()})
 
@@ -212,8 +227,13 @@ class XlaBackend:
     # -- arguments --------------------------------------------------------------------------------
 
     def _stream_axes(self) -> dict[str, int | None]:
-        """The replica axis of each device input: [M, R, *S] streams, [M, *S] Broadcast."""
-        return {n: None if s.broadcast else 1 for n, s in self.io.inputs.items()}
+        """The replica axis of each device input: [M, R, *S] streams, [M, *S] Broadcast (and
+        the seeds, [M, R, 2], of a model with random operators)."""
+        axes: dict[str, int | None] = {n: None if s.broadcast else 1
+                                       for n, s in self.io.inputs.items()}
+        if self.random:
+            axes[RANDOM_STREAM] = 1
+        return axes
 
     def _program_inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
         """What the program takes: [M, R, *S] streams and [M, *S] Broadcast inputs, in the
@@ -224,12 +244,22 @@ class XlaBackend:
             lead = (self.micro_batches,) if spec.broadcast else (self.micro_batches, replicas)
             shapes[name] = jax.ShapeDtypeStruct(lead + spec.shape,
                                                 jax.dtypes.canonicalize_dtype(spec.dtype))
+        if self.random:
+            shapes[RANDOM_STREAM] = jax.ShapeDtypeStruct((self.micro_batches, replicas, 2),
+                                                         np.uint32)
         return shapes
 
     def _host_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Canonical host arrays as the program takes them (views where the dtype agrees)."""
-        return {name: np.asarray(inputs[name], dtype=s.dtype).reshape(s.shape)
-                for name, s in self._inputs.items()}
+        """Canonical host arrays as the program takes them (views where the dtype agrees),
+        with the run's seeds (:class:`~.state.RandomSeed`) for a model with random
+        operators."""
+        host = {name: np.asarray(inputs[name], dtype=s.dtype).reshape(s.shape)
+                for name, s in self._inputs.items() if name != RANDOM_STREAM}
+        if self.random:
+            host[RANDOM_STREAM] = self.seed.words(
+                self.micro_batches, self.shape.replicas,
+                self.config.replication.global_offset, self.shape.global_replicas)
+        return host
 
     def _slice(self, inputs: Mapping[str, jax.Array], start: Any) -> dict[str, jax.Array]:
         """The chunk's micro-batches. When chunks are looped over, a barrier keeps XLA from
@@ -246,12 +276,19 @@ class XlaBackend:
         """``wanted`` tensors of the chunk of micro-batches from ``start``: [c, Rb, *S];
         ``offsets`` ([c, Rb, *S] each) are added to their tensors (see LoweredGraph.evaluate)."""
         chunk = self._slice(inputs, start)
-        streams = {k: v for k, v in chunk.items() if not self.io.inputs[k].broadcast}
-        fixed = {k: v for k, v in chunk.items() if self.io.inputs[k].broadcast}
+        fixed = {k: v for k, v in chunk.items()
+                 if k in self.io.inputs and self.io.inputs[k].broadcast}
+        streams = {k: v for k, v in chunk.items() if k not in fixed}
 
         def micro_batch(s: Any, f: Any, o: Any) -> Any:
-            return vmap(lambda x, d: self.graph.evaluate(weights, {**x, **f}, wanted, d),
-                        self.placement.per_device, (0, 0))(s, o)
+            def one(x: Any, d: Any) -> Any:  # a replica: its random operators draw from
+                x = dict(x)                  # its own seed
+                if RANDOM_STREAM not in x:
+                    return self.graph.evaluate(weights, {**x, **f}, wanted, d)
+                with random_scope(x.pop(RANDOM_STREAM), self.training):
+                    return self.graph.evaluate(weights, {**x, **f}, wanted, d)
+
+            return vmap(one, self.placement.per_device, (0, 0), LOCAL_REPLICA)(s, o)
 
         return vmap(micro_batch, self.chunk, (0, 0, 0))(streams, fixed, dict(offsets or {}))
 
@@ -318,7 +355,8 @@ class XlaBackend:
             # float32 products in float32, as an IPU computes them (GPUs would otherwise use
             # TF32, and results would change with the chunk size)
             with jax.default_matmul_precision("float32"), \
-                    partials(self.config.precision.partials_type):
+                    partials(self.config.precision.partials_type), group_norm_channels(
+                        self.config.popart_options.get("groupNormStridedChannelGrouping")):
                 self.executor.prepare(self.state, self.hyper)
             programs = self.executor.programs
             profiling.compiled(self, programs, time.perf_counter() - started)
@@ -344,7 +382,26 @@ class XlaBackend:
                        for name, shape in self._anchor_shapes.items()}
             if result.state is not None:
                 self.state = result.state  # the commit, after everything that can fail
+            if self.random:
+                self.seed = self.seed.advanced(self.micro_batches)
             return anchors
+
+    def set_random_seed(self, seed: int) -> None:
+        """Seed the model's random operators (PopART's ``setRandomSeed``): the runs from here
+        on draw the same values for the same seed (see :mod:`.ops_random`)."""
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or \
+                not 0 <= int(seed) < 2**64:
+            raise ConfigTypeError(f"set_random_seed({seed!r}): the seed is an integer in "
+                                  f"[0, 2**64) (PopART's uint64). Fix: pass a non-negative "
+                                  f"integer below 2**64.", rule="K-xla-dropout")
+        with self._lock:
+            self.seed = RandomSeed(int(seed))
+
+    def random_seed(self) -> int:
+        """The seed the next run continues from (PopART's ``getRandomSeed``): setting it
+        again repeats the runs from here."""
+        with self._lock:
+            return self.seed.current(self.shape.global_replicas)
 
     def _peers(self) -> Any:
         """Collectives failed by a stopped instance become the kit's error (:mod:`.distributed`)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,8 +50,9 @@ import numpy as np
 from ..._base.names import GRADIENT_PREFIX
 from ..._base.schedule import Action, PipelineSchedule
 from .lowering import LoweredGraph
+from .ops_random import RANDOM_STREAM, random_scope
 from .state import Reduction, SessionState, apply_update
-from .steps import vmap
+from .steps import LOCAL_REPLICA, vmap
 
 __all__ = ["Stage", "StageSpec", "StagePrograms", "StageRunner", "RunContext", "Board"]
 
@@ -65,7 +67,7 @@ class Stage:
     produces: frozenset[str]
     inputs: dict[str, tuple[tuple[int, ...], np.dtype]]
     receives: tuple[str, ...]   # from the stage before (its ``sends``)
-    streams: tuple[str, ...]    # graph inputs it reads
+    streams: tuple[str, ...]    # graph inputs it reads (and the seeds, RANDOM_STREAM)
     weights: tuple[str, ...]
     sends: tuple[str, ...]      # to the stage after
     anchors: tuple[str, ...]    # anchored tensors it computes (or weights it owns)
@@ -165,10 +167,13 @@ class StagePrograms:
         assert graph is not None
 
         def one(r: Any, xr: Any, pr: Any) -> Any:
-            return graph.evaluate(w, {**r, **xr, **fixed}, wanted, offsets=pr or None,
-                                  fresh=fresh)
+            xr = dict(xr)
+            seed = xr.pop(RANDOM_STREAM, None)  # this micro-batch's and replica's seed
+            with random_scope(seed, spec.training) if seed is not None else nullcontext():
+                return graph.evaluate(w, {**r, **xr, **fixed}, wanted, offsets=pr or None,
+                                      fresh=fresh)
 
-        out = vmap(one, spec.replicas, (0, 0, 0))(recv, per, probes or {})
+        out = vmap(one, spec.replicas, (0, 0, 0), LOCAL_REPLICA)(recv, per, probes or {})
         out.update((t, jnp.broadcast_to(jnp.asarray(w[t]), (spec.replicas, *np.shape(w[t]))))
                    for t in owned)
         return {k: out[k] for k in st.sends}, {k: out[k] for k in st.anchors}

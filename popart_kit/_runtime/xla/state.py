@@ -5,7 +5,9 @@ optimizer's state and the count of weight updates applied, as one frozen pytree.
 running a step (looped, host-driven, pipelined; one instance or several) changes it only
 through :func:`apply_update` - the gradient reduced once by :func:`reduce_gradients` under the
 session's :class:`Reduction`, then the optimizer - and a run's result is kept only after
-:func:`check_finite` has passed it: the session commits a new state in one assignment.
+:func:`check_finite` has passed it: the session commits a new state in one assignment. Beside
+it, host-side, the :class:`RandomSeed` gives a model's random operators each run's seeds (a
+stream input) and moves on with every committed run.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import numpy as np
 from ..._base.shapes import StepShape
 from ...errors import NonFiniteUpdate
 
-__all__ = ["SessionState", "Reduction", "reduce_gradients", "apply_update", "finite_flags",
-           "check_finite"]
+__all__ = ["SessionState", "RandomSeed", "Reduction", "reduce_gradients", "apply_update",
+           "finite_flags", "check_finite"]
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +41,44 @@ class SessionState:
     def with_weights(self, new: Mapping[str, Any]) -> SessionState:
         """The state with some weights replaced (the others, and the optimizer, kept)."""
         return replace(self, weights={**self.weights, **new})
+
+
+_WORD = 1 << 32
+
+
+@dataclass(frozen=True)
+class RandomSeed:
+    """A session's random seed (PopART's ``setRandomSeed``) and the micro-batch steps drawn
+    since: host-side, read by every run of a model with random operators and moved on by
+    every run that succeeds (a failed run leaves it, as it leaves the :class:`SessionState`).
+
+    As on an IPU, the seed is two 32-bit words [lo, hi]: micro-batch step k (counted from 1
+    since the seed was set) of global replica r draws from [lo + k x G + r, hi + k] (G the
+    global replica count), so every step and replica has a seed of its own; ``current`` is
+    the seed the next run continues from (PopART's ``getRandomSeed``: setting it again
+    continues the same sequence)."""
+
+    seed: int
+    steps: int = 0
+
+    def words(self, micro_batches: int, replicas: int, first_replica: int,
+              global_replicas: int) -> np.ndarray:
+        """[micro_batches, replicas, 2] uint32: each micro-batch's seed on each local replica
+        of a run (``first_replica``: the global index of this instance's first)."""
+        k = self.steps + 1 + np.arange(micro_batches, dtype=np.uint64)[:, None]
+        r = first_replica + np.arange(replicas, dtype=np.uint64)[None, :]
+        lo = (np.uint64(self.seed % _WORD) + k * np.uint64(global_replicas) + r) % _WORD
+        hi = np.broadcast_to((np.uint64(self.seed // _WORD) + k) % _WORD, lo.shape)
+        return np.stack([lo, hi], axis=-1).astype(np.uint32)
+
+    def advanced(self, micro_batches: int) -> RandomSeed:
+        """The seed after a run of ``micro_batches`` steps."""
+        return replace(self, steps=self.steps + micro_batches)
+
+    def current(self, global_replicas: int) -> int:
+        lo = (self.seed % _WORD + self.steps * global_replicas) % _WORD
+        hi = (self.seed // _WORD + self.steps) % _WORD
+        return hi * _WORD + lo
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import onnx
 from jax import lax
 
-__all__ = ["vmap", "loop", "loops_on_host", "chunk_bytes", "LOOP_UNFRIENDLY_ON_CPU"]
+__all__ = ["vmap", "loop", "loops_on_host", "chunk_bytes", "LOOP_UNFRIENDLY_ON_CPU",
+           "LOCAL_REPLICA"]
 
 #: Operators XLA:CPU runs several times slower inside a loop body than outside one.
 LOOP_UNFRIENDLY_ON_CPU = frozenset({"Conv", "ConvTranspose", "ConvInteger", "QLinearConv",
@@ -53,13 +54,18 @@ def loop(count: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
     return lax.fori_loop(0, count, body, carry)
 
 
-def vmap(fn: Any, size: int, in_axes: Sequence[int | None]) -> Any:
-    """``jax.vmap`` over a new leading axis of ``size`` in every result, except that a size of
-    1 is squeezed away: XLA on CPU runs a matrix product with a batch dimension of 1 markedly
-    slower than the plain one (a training step at bps 16: 1.47x the hand-written program with
-    the batch dimension, 1.10x without)."""
+#: The axis name of a device's vectorised replicas (bound when it runs more than one): the
+#: replicated collectives (ReplicatedAllReduce ...) reduce over it and the mesh's replica axes.
+LOCAL_REPLICA = "local_replica"
+
+
+def vmap(fn: Any, size: int, in_axes: Sequence[int | None], axis_name: str | None = None) -> Any:
+    """``jax.vmap`` over a new leading axis of ``size`` in every result (named ``axis_name``),
+    except that a size of 1 is squeezed away: XLA on CPU runs a matrix product with a batch
+    dimension of 1 markedly slower than the plain one (a training step at bps 16: 1.47x the
+    hand-written program with the batch dimension, 1.10x without)."""
     if size != 1:
-        return jax.vmap(fn, in_axes=tuple(in_axes), axis_size=size)
+        return jax.vmap(fn, in_axes=tuple(in_axes), axis_size=size, axis_name=axis_name)
 
     def call(*args: Any) -> Any:
         squeezed = [arg if axis is None else jax.tree.map(lambda a, ax=axis: jnp.squeeze(a, ax),

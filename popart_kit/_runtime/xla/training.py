@@ -26,6 +26,7 @@ import onnx
 from ..._base.names import GRADIENT_PREFIX, RESTORED_PREFIX
 from ..._base.problems import Problem, raise_errors
 from ..._base.shapes import AnchorReturnType
+from ..._model.builder_subgraphs import node_reads
 from .executors import StepFunctions
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags
@@ -40,7 +41,10 @@ class XlaTrainingBackend(XlaBackend):
     (NaN or Inf) and keeps the weights as they were; False skips the check. An anchor named
     PopART's gradient prefix + a tensor (``"Gradient___w"``) returns the gradient of the
     micro-batch's (scaled) loss with respect to that tensor - an input, a weight, an activation
-    or the loss - per micro-batch and replica, before any reduction, as PopART does."""
+    or the loss - per micro-batch and replica, before any reduction, as PopART does. Dropout
+    drops at random (see :mod:`.ops_random`), its gradient masked by the forward's mask."""
+
+    training = True
 
     def __init__(self, model: onnx.ModelProto, config: Any,
                  anchors: Mapping[str, AnchorReturnType], loss: str, optimizer: Any,
@@ -62,7 +66,7 @@ class XlaTrainingBackend(XlaBackend):
         """Check the loss and what it trains (all at once), then put the optimizer's state and
         hyperparameters on the devices."""
         loss = self.loss
-        problems = self._dropout_problems() + self._gradient_problems()
+        problems = self._gradient_problems()
         if loss not in self.graph.tensors:
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
@@ -96,23 +100,6 @@ class XlaTrainingBackend(XlaBackend):
     def _training_facts(self) -> dict[str, Any]:
         return dict(loss=self.loss, gradients=self.gradient_anchors, trained=self.trained,
                     optimizer=self.optimizer, check_finite=self.check_finite)
-
-    def _dropout_problems(self) -> list[Problem]:
-        """PopART drops out at random when training; the xla backend has no random operators."""
-        out = []
-        for node in self.model.graph.node:
-            if node.op_type != "Dropout":
-                continue
-            ratio = next((onnx.helper.get_attribute_value(a) for a in node.attribute
-                          if a.name == "ratio"), None)
-            if ratio != 0.0:
-                out.append(Problem(("model", node.name or node.output[0]),
-                                   f"Dropout {node.name or node.output[0]!r} drops at random "
-                                   f"when training (ratio {ratio if ratio is not None else 0.5})"
-                                   f"; the xla backend has no random operators.",
-                                   "remove the Dropout (or give it ratio 0), or train with the "
-                                   "popart backend.", "K-xla-dropout"))
-        return out
 
     def _anchor_tensor(self, anchor: str) -> str:
         if anchor.startswith(GRADIENT_PREFIX):
@@ -151,7 +138,7 @@ class XlaTrainingBackend(XlaBackend):
                 continue
             seen.add(tensor)
             if tensor in producer:
-                todo += [t for t in producer[tensor].input if t]
+                todo += node_reads(producer[tensor])  # what its subgraphs read too
         return seen
 
     def _device_hyper(self, optimizer: Any) -> dict[str, jax.Array]:
@@ -237,11 +224,6 @@ class XlaTrainingBackend(XlaBackend):
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state as host arrays (see the optimizer's ``init``)."""
         return self.placement.fetch(self.state.optimizer)
-
-    def set_random_seed(self, seed: int) -> None:
-        """The xla backend runs no random operators (Dropout in training is refused when the
-        session is made), so every run is already deterministic; the seed is recorded."""
-        self.seed = int(seed)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """New hyperparameter values (the session checked it is the same kind of optimizer):
