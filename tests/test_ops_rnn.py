@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx.reference import ReferenceEvaluator
+from test_xla_lowering import builder, model_of
 
 import popart_kit as pk
 from popart_kit._runtime.xla.lowering import NodeFailed, lower, unsupported
@@ -26,16 +27,6 @@ T, B, IN, H = 4, 3, 2, 3  # steps, batch, input size, hidden size
 
 def rand(*shape: int, scale: float = 0.6) -> np.ndarray:
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def builder(opset: int = 10) -> pk.Builder:
-    return pk.Builder(opsets={"ai.onnx": opset, "ai.graphcore": 1})
-
-
-def model_of(b: pk.Builder, outputs: list[str]) -> onnx.ModelProto:
-    for out in outputs:
-        b.addOutputTensor(out)
-    return onnx.load_from_string(b.getModelProto())
 
 
 def run_xla(model: onnx.ModelProto, feeds: dict, outputs: list[str]) -> list[np.ndarray]:

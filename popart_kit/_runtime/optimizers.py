@@ -111,6 +111,10 @@ class _Optimizer(_Model):
     #: The rule-id prefix of the class's checks.
     _PREFIX: ClassVar[str] = ""
 
+    specific: dict[str, dict[str, float | bool]] = Field(
+        default_factory=dict, description="Per-weight values (PopART's insertSpecific): "
+                                          "weight -> {field: value}.")
+
     def __init__(self, learning_rate: Any = None, /, **data: Any) -> None:
         # SGD(0.1, momentum=0.9) as well as SGD(learning_rate=0.1, ...)
         if learning_rate is not None:
@@ -385,9 +389,6 @@ class SGD(_Optimizer):
         "combined", description="popart.SGDAccumulatorAndMomentum; PopART's default: combined.")
     velocity: bool = Field(False, description="Keep a velocity tensor even with momentum 0, as "
                                               "PopART does for a changeable momentum.")
-    specific: dict[str, dict[str, float | bool]] = Field(
-        default_factory=dict, description="Per-weight values (PopART's insertSpecific): "
-                                          "weight -> {field: value}.")
     clip_norm: tuple[ClipGroup, ...] = Field(
         (), description="Gradient clipping groups (PopART's ClipNormSettings): "
                         "((weights or None for all, max_norm), ...).")
@@ -648,9 +649,6 @@ class Adam(_Optimizer):
     scaled_optimizer_state: bool = Field(
         False, description="Keep m and v scaled by the loss scaling (PopART's "
                            "scaled_optimizer_state).")
-    specific: dict[str, dict[str, float | bool]] = Field(
-        default_factory=dict, description="Per-weight values (PopART's insertSpecific): "
-                                          "weight -> {field: value}.")
     clip_norm: tuple[ClipGroup, ...] = Field(
         (), description="Gradient clipping groups (PopART's ClipNormSettings): "
                         "((weights or None for all, max_norm), ...).")
@@ -899,9 +897,6 @@ class Adaptive(_Optimizer):
                                                         "square root, v1 from 1, lr in v3).")
     velocity: bool = Field(False, description="Keep a velocity tensor even with momentum 0, as "
                                               "PopART does for a changeable momentum.")
-    specific: dict[str, dict[str, float | bool]] = Field(
-        default_factory=dict, description="Per-weight values (PopART's insertSpecific): "
-                                          "weight -> {field: value}.")
 
     def _problems(self) -> list[Problem]:
         return self._specific_problems()

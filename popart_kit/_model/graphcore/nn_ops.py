@@ -258,6 +258,20 @@ def _out_data_type(value: Any) -> int:
                        f"FLOAT16 and UNDEFINED (the input's type).")
 
 
+def _log_probabilities(op: str, given: TensorType) -> TensorType:
+    """Input 0 of a CTC op: floating point of rank 3, or PopART's refusal."""
+    dtype, shape = given
+    if dtype not in _FLOATS:
+        raise ValueError(f"Unsupported data type for input 0 of Op {op} (expected a "
+                         f"'logarithmized probabilities' tensor comprised of floating point "
+                         f"data, got {TensorProto.DataType.Name(dtype)}).")
+    if shape is not None and len(shape) != 3:
+        raise ValueError(f"Unsupported shape for input 0 of Op {op} (expected a "
+                         f"'logarithmized probabilities' tensor of rank 3, got a tensor with "
+                         f"shape {_vector(shape)}).")
+    return dtype, shape
+
+
 def _ctc_types(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[TensorType]:
     """CtcOp::setup: the loss ([] reduced, [N] with NoReduction) and the gradient of the loss
     with respect to the log probabilities ([T, N, C]), both of outDataType (default: input 0's
@@ -265,15 +279,7 @@ def _ctc_types(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[T
     if len(inputs) != 4:
         raise ValueError(f"Ctc takes 4 inputs (log probabilities [T, N, C], targets [N, S], "
                          f"input lengths [N], target lengths [N]); got {len(inputs)}")
-    dtype, shape = inputs[0]
-    if dtype not in _FLOATS:
-        raise ValueError(f"Unsupported data type for input 0 of Op Ctc (expected a "
-                         f"'logarithmized probabilities' tensor comprised of floating point "
-                         f"data, got {TensorProto.DataType.Name(dtype)}).")
-    if shape is not None and len(shape) != 3:
-        raise ValueError(f"Unsupported shape for input 0 of Op Ctc (expected a 'logarithmized "
-                         f"probabilities' tensor of rank 3, got a tensor with shape "
-                         f"{_vector(shape)}).")
+    dtype, shape = _log_probabilities("Ctc", inputs[0])
     for i, what in ((1, "targets"), (2, "input lengths"), (3, "target lengths")):
         if inputs[i][0] not in (TensorProto.UINT32, TensorProto.INT32):
             raise ValueError(f"Unsupported data type for input {i} of Op Ctc (expected a "
@@ -445,15 +451,7 @@ def _beam_search_types(inputs: Sequence[TensorType], attrs: Mapping[str, Any]
                        ) -> list[TensorType]:
     """CtcBeamSearchDecoderOp::setup: label probabilities [N, top_paths] (the input's type),
     label lengths [N, top_paths] and decoded labels [N, top_paths, T] (UINT32)."""
-    dtype, shape = inputs[0]
-    if dtype not in _FLOATS:
-        raise ValueError(f"Unsupported data type for input 0 of Op CtcBeamSearchDecoder "
-                         f"(expected a 'logarithmized probabilities' tensor comprised of "
-                         f"floating point data, got {TensorProto.DataType.Name(dtype)}).")
-    if shape is not None and len(shape) != 3:
-        raise ValueError(f"Unsupported shape for input 0 of Op CtcBeamSearchDecoder (expected "
-                         f"a 'logarithmized probabilities' tensor of rank 3, got a tensor with "
-                         f"shape {_vector(shape)}).")
+    dtype, shape = _log_probabilities("CtcBeamSearchDecoder", inputs[0])
     if len(inputs) != 2 or inputs[1][0] != TensorProto.UINT32:
         got = TensorProto.DataType.Name(inputs[1][0]) if len(inputs) > 1 else "no input"
         raise ValueError(f"Unsupported data type for input 1 of Op CtcBeamSearchDecoder "
