@@ -53,6 +53,7 @@ from .ops import (
     Ctx,
     NotSupported,
     Op,
+    UnsupportedModel,
     node_partials,
     np_dtype,
     partials,
@@ -61,21 +62,6 @@ from .ops import (
 from .ops_random import draws_random
 
 __all__ = ["Body", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
-
-
-class UnsupportedModel(ModelError):
-    """The model uses operators, attributes or input forms the xla backend does not run; one
-    message per problem, in ``problems``."""
-
-    rule = "K-xla-unsupported"
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"the xla backend cannot run this model ({len(self.problems)} "
-                         f"problem(s)):\n{lines}\nFix: express these nodes with the operators "
-                         f"and attribute values the xla backend implements (see "
-                         f"popart_kit._runtime.xla.op_table.OPS), or run on the popart backend.")
 
 
 class NodeFailed(ModelError):

@@ -30,14 +30,31 @@ import numpy as np
 from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
-__all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "node_partials",
-           "np_dtype", "partials", "read_attributes"]
+from ...errors import ModelError
+
+__all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "UnsupportedModel",
+           "node_partials", "np_dtype", "partials", "read_attributes"]
 
 GRAPHCORE = "ai.graphcore"
 
 
 class NotSupported(Exception):
     """An operator, attribute value or input form the xla backend does not implement."""
+
+
+class UnsupportedModel(ModelError):
+    """The model uses operators, attributes or input forms the xla backend does not run; one
+    message per problem, in ``problems``."""
+
+    rule = "K-xla-unsupported"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"the xla backend cannot run this model ({len(self.problems)} "
+                         f"problem(s)):\n{lines}\nFix: express these nodes with the operators "
+                         f"and attribute values the xla backend implements (see "
+                         f"popart_kit._runtime.xla.op_table.OPS), or run on the popart backend.")
 
 
 # -- data types ---------------------------------------------------------------------------------

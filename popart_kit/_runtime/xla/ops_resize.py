@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ops import Ctx, NotSupported, op
+from .ops import Ctx, NotSupported, UnsupportedModel, op
 
 __all__ = ["resize", "upsample"]
 
@@ -336,8 +336,6 @@ class _Plan:
 
 
 def _linear_grad_refused(_: Any, g: Any) -> Any:
-    from .lowering import UnsupportedModel
-
     err = UnsupportedModel(["Resize (linear): Resize mode 'linear' is not supported when "
                             "training (PopART has no linear ResizeGrad). Fix: use nearest or "
                             "cubic, or do not train through this Resize."])
