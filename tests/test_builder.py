@@ -463,3 +463,17 @@ def test_list_attributes_take_any_sequence_as_popart_s_bindings_do():
     assert b.getTensorShape(b.aiOnnx.reducesum([x], axes=(1,), keepdims=1)) == [2, 1, 4]
     scalar = b.aiOnnx.reducesum([x], keepdims=0)
     assert b.getTensorShape(b.aiOnnx.reducesum([scalar], axes=range(0), keepdims=0)) == []
+
+
+def test_float_and_string_attributes_at_their_default_are_not_written_as_popart_does():
+    """builder.gen.cpp writes a float or string attribute only when it is not the schema's
+    default (ints always), so addNodeAttribute can still set it afterwards."""
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3]))
+    default, other = b.aiOnnx.leakyrelu([x]), b.aiOnnx.leakyrelu([x], alpha=0.2)
+    assert not b.nodeHasAttribute("alpha", [default]) and b.nodeHasAttribute("alpha", [other])
+    b.addNodeAttribute("alpha", 0.3, {default})
+    padded = b.aiOnnx.pad([x], pads=[0, 1, 0, 1])  # mode "constant" is the default
+    assert not b.nodeHasAttribute("mode", [padded])
+    flat = b.aiOnnx.flatten([x])                    # an int attribute: always written
+    assert b.getInt64NodeAttribute("axis", [flat]) == 1

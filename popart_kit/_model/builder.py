@@ -192,6 +192,7 @@ class _AiOnnx:
         return sorted({*self._ops, *control_methods(self.version)})
 
 
+_DEFAULTED = frozenset({onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING})
 _LIST_ATTRIBUTES = frozenset({onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
                               onnx.AttributeProto.STRINGS})
 
@@ -209,11 +210,16 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
     if not any(a[0] == "num_outputs" for a in op.attributes):
         values.pop("num_outputs", None)
     attrs = {}
-    for attr_name, attr_type, _, _ in op.attributes:
+    for attr_name, attr_type, required, default in op.attributes:
         value = values[attr_name]
         if attr_type in _LIST_ATTRIBUTES and value is not None and not isinstance(value, str):
             value = list(value)  # any sequence, as pybind takes one: a tuple, a range
         if value is None or (isinstance(value, list | str) and not value):
+            continue
+        # PopART's generated builder (builder.gen.cpp) writes a float or string attribute only
+        # when it differs from the schema's default (ints always), so that addNodeAttribute can
+        # still set it
+        if not required and attr_type in _DEFAULTED and value == default:
             continue
         if attr_type == onnx.AttributeProto.TENSOR:
             value = numpy_helper.from_array(np.require(value, requirements="C"))
