@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from .._base.problems import Problem, emit_warnings, raise_errors
 from ..errors import ModelError, ModelTypeError, short
 from .builder_settings import EXECUTION_PHASE
+from .tensors import in_onnx_form
 
 if TYPE_CHECKING:
     from .._config.fields import SessionFields
@@ -48,10 +49,11 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     Refuses, before reading anything: a path that is not a regular file (a device, a FIFO, a
     directory) and more than :data:`MAX_MODEL_BYTES`. External data is read only for a model
     loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
-    of it); a model given as bytes or a ModelProto has no folder, so external data is refused."""
+    of it); a model given as bytes or a ModelProto has no folder, so external data is refused.
+    FLOAT16 weights PopART packed two to an int32 are read in ONNX's form."""
     if isinstance(model, onnx.ModelProto):
         _refuse_external_data(model, "this ModelProto")
-        return model
+        return in_onnx_form(model)
     if not isinstance(model, bytes | bytearray | str | os.PathLike):
         raise ModelTypeError(f"expected an onnx.ModelProto, bytes or a path, got "
                              f"{type(model).__name__}.", rule="K-model-type")
@@ -65,7 +67,7 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
             _refuse_special_file(where, os.fspath(model))
             proto = onnx.load(os.fspath(model))
         _refuse_invalid_text(proto, where)
-        return proto
+        return in_onnx_form(proto)   # PopART's packed FLOAT16 weights read as ONNX's
     except ModelError:
         raise
     except DecodeError as err:

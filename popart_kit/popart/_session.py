@@ -24,6 +24,7 @@ from .._base.atomic import write_atomic
 from .._base.problems import popart_rules
 from .._config.session_config import SessionConfig
 from .._model.layout import PipelineLayout, load_model
+from .._model.tensors import as_popart_stores, to_array
 from .._runtime.session import InferenceSession as _KitInference
 from .._runtime.session import TrainingSession as _KitTraining
 from ..errors import FileWriteError, ModelError, short
@@ -425,7 +426,7 @@ class _Session:
         current = self._weights()
         for init in _load(modelProtoOrFilename).graph.initializer:
             if init.name in current:
-                self._pending[init.name] = numpy_helper.to_array(init)
+                self._pending[init.name] = to_array(init)
             elif not ignoreWeightsInModelWithoutCorrespondingHostWeight:
                 raise popart_exception(f"resetHostWeights, failed to find tensor {init.name} "
                                        f"in the session's weights. Fix: pass "
@@ -442,6 +443,8 @@ class _Session:
         proto = self._kit.model_proto()
         for name, array in self._optimizer_tensors().items():
             proto.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        for tensor in proto.graph.initializer:
+            tensor.CopyFrom(as_popart_stores(tensor))
         try:
             write_atomic(fn, proto.SerializeToString())
         except FileWriteError as err:

@@ -296,3 +296,23 @@ def test_a_program_that_cannot_fit_raises_popart_s_out_of_memory_exception_at_pr
     from popart_kit.popart import session as popart_session  # PopART's popart.session
 
     assert popart_session.OutOfMemoryException is popart.OutOfMemoryException
+
+
+def test_model_to_host_writes_half_weights_as_popart_packs_them_and_they_load_back(tmp_path):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT16", [1, 3]))
+    w = b.addInitializedInputTensor(np.array([[0.5, -1.0, 2.0]] * 3, np.float16))
+    y = b.aiOnnx.matmul([x, w])
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), _cpu())
+    session.prepareDevice()
+    path = tmp_path / "model.onnx"
+    session.modelToHost(str(path))
+    stored = next(t for t in onnx.load(str(path)).graph.initializer if t.name == w)
+    assert len(stored.int32_data) == 5  # 9 halves, two to an int32 (builder_impl.cpp)
+    halves = np.asarray(stored.int32_data, np.int32).view(np.float16)[:9].reshape(3, 3)
+    np.testing.assert_array_equal(halves, np.array([[0.5, -1.0, 2.0]] * 3, np.float16))
+    again = popart.InferenceSession(str(path), popart.DataFlow(1, [y]), _cpu())
+    again.prepareDevice()
+    anchors = again.initAnchorArrays()
+    again.run(popart.PyStepIO({x: np.ones([1, 3], np.float16)}, anchors))
+    np.testing.assert_array_equal(anchors[y], np.array([[1.5, -3.0, 6.0]], np.float16))

@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..._base.problems import raise_errors
 from ..._model.builder_subgraphs import free_names, node_reads
 from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
+from ..._model.tensors import to_array
 from ...errors import InvalidModel, ModelError, clip
 from .op_table import OPS
 from .ops import (
@@ -386,7 +386,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
     for tensor in graph.initializer:
         try:
             np_dtype(tensor.data_type)
-            initializers[tensor.name] = numpy_helper.to_array(tensor)
+            initializers[tensor.name] = to_array(tensor)
         except (NotSupported, ValueError, TypeError) as err:
             problems.append(f"initializer {tensor.name!r}: {err}")
     for sparse in graph.sparse_initializer:
