@@ -550,7 +550,8 @@ class TrainingSession(_Session):
 
     def _optimizer_tensors(self) -> dict[str, np.ndarray]:
         """The kit's optimizer state under PopART's reserved names: SGD velocity Accl___w
-        (Combined) or Accl1___w (Separate); Adam Accl1___w (m), Accl2___w (v), Step___w."""
+        (Combined) or Accl1___w (Separate); Adam Accl1___w (m), Accl2___w (v), Step___w;
+        Adaptive Accl1___w, Accl2___w, Accl3___w."""
         state = getattr(self._kit, "optimizer_state", None)
         if state is None:
             return {}
@@ -559,7 +560,8 @@ class TrainingSession(_Session):
         separate = getattr(self.optimizer.kit, "accumulator_and_momentum", "") == "separate"
         for weight, v in state.get("velocity", {}).items():
             out[(p["Accl1"] if separate else p["Accl"]) + weight] = np.asarray(v)
-        for key, prefix in (("m", p["Accl1"]), ("v", p["Accl2"])):
+        for key, prefix in (("m", p["Accl1"]), ("v", p["Accl2"]), ("accl1", p["Accl1"]),
+                            ("accl2", p["Accl2"]), ("accl3", p["Accl3"])):  # Adam, Adaptive
             for weight, value in state.get(key, {}).items():
                 out[prefix + weight] = np.asarray(value)
                 if "step" in state:

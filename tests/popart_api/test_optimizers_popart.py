@@ -136,6 +136,13 @@ def test_adaptive_trains_through_a_training_session():
     session.readWeights(popart.PyWeightsIO(out))
     np.testing.assert_allclose(out["w"], ww, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out["b"], bb, rtol=1e-5, atol=1e-6)
+    # the optimizer state under PopART's names: CenteredRMSProp keeps all three accumulators
+    ids = session.getAllTensorIds()
+    assert {popart.reservedAccl1Prefix() + "w", popart.reservedAccl2Prefix() + "w",
+            popart.reservedAccl3Prefix() + "w"} <= ids
+    state = {popart.reservedAccl1Prefix() + "w": np.zeros((2, 3), np.float32)}
+    session.readWeights(popart.PyWeightsIO(state))
+    assert np.all(state[popart.reservedAccl1Prefix() + "w"] > 0)  # running mean of squares
 
 
 def test_adaptive_defaults_accessors_and_refusals():
