@@ -22,6 +22,7 @@ _HOMES = {
                                 "Replication", "SessionConfig"),
     "._model.layout": ("PipelineLayout",),
     ".launcher": ("launch",),
+    "._model.custom_ops": ("register_custom_op",),
     "._runtime.optimizers": ("SGD", "Adam", "Adaptive"),
     "._config.plan": ("Plan", "ReplicaPlacement"),
     "._base.schedule": ("PipelineSchedule",),
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
         ReplicatedStreamMode,
         TensorInfo,
     )
+    from ._model.custom_ops import register_custom_op
     from ._model.layout import PipelineLayout
     from ._model.precision import to_half
     from ._runtime.optimizers import SGD, Adam, Adaptive
@@ -124,6 +126,7 @@ __all__ = [
     "Adam",
     "Adaptive",
     "launch",
+    "register_custom_op",
     "PopartKitWarning",
     "PopartKitError",
     "ConfigError",

@@ -477,3 +477,26 @@ def test_float_and_string_attributes_at_their_default_are_not_written_as_popart_
     assert not b.nodeHasAttribute("mode", [padded])
     flat = b.aiOnnx.flatten([x])                    # an int attribute: always written
     assert b.getInt64NodeAttribute("axis", [flat]) == 1
+
+
+def test_initializers_saved_externally_load_from_the_model_s_folder(tmp_path, monkeypatch):
+    import popart_kit.popart as popart
+
+    monkeypatch.chdir(tmp_path)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 3]))
+    w = b.addInitializedInputTensor(np.arange(9, dtype=np.float32).reshape(3, 3))
+    y = b.aiOnnx.matmul([x, w])
+    b.saveInitializersExternally([w], "weights.bin")
+    assert (tmp_path / "weights.bin").read_bytes() == np.arange(9, dtype=np.float32).tobytes()
+    stored = onnx.load_from_string(b.getModelProto())
+    assert stored.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    b.saveModelProto(str(tmp_path / "model.onnx"))
+    session = popart.InferenceSession(str(tmp_path / "model.onnx"), popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    session.run(popart.PyStepIO({x: np.ones((1, 3), np.float32)}, anchors))
+    np.testing.assert_allclose(anchors[y], [[9.0, 12.0, 15.0]])
+    with pytest.raises(popart.popart_exception, match="is not an initializer"):
+        b.saveInitializersExternally([x], "other.bin")

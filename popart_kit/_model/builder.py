@@ -14,12 +14,13 @@ import contextlib
 import enum
 import functools
 import operator
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 
 from .._base.atomic import write_atomic
 from .builder_base import (
@@ -34,6 +35,7 @@ from .builder_base import (
 from .builder_settings import NodeSettings, scope_attributes
 from .builder_subgraphs import SubgraphBuilding, control_method, control_methods
 from .builder_subgraphs import call as subgraph_call
+from .custom_ops import custom_op
 from .graphcore import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 from .onnx_ops import OpSignature, signatures
@@ -408,6 +410,16 @@ class _AiGraphcore:
         return self._builder._add_node("Gelu", list(args), 1, {}, debugContext,
                                        domain=AI_GRAPHCORE, custom_type=(source, source))[0]
 
+    def packedDataBlock(self, args: Sequence[str], maxSequenceLengths: Sequence[int],
+                        resultSize: int, callbackBatchSize: int, callback: Builder,
+                        debugName: str = "") -> str:
+        """Refused: PopART's PackedDataBlock unpacks sequences into fixed-size batches for a
+        callback graph in a way the xla backend does not reproduce."""
+        raise BuilderError("aiGraphcore.packedDataBlock is not supported by popart_kit (the "
+                           "xla backend has no PackedDataBlock). Fix: unpack the sequences on "
+                           "the host, padded to maxSequenceLengths, and run the callback's "
+                           "graph on them with aiGraphcore.call.")
+
     def call(self, args: Sequence[str], num_outputs: int, callee: Builder,
              debugName: str = "") -> list[str]:
         """PopART's Call: ``callee``'s graph (a sub-builder) run on ``args``, its inputs in
@@ -422,7 +434,8 @@ class _AiGraphcore:
         return functools.partial(self._op, name)
 
     def __dir__(self) -> list[str]:
-        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu", "call"})
+        return sorted({*GRAPHCORE_OPS, "l1loss", "nllloss", "identityloss", "gelu", "call",
+                       "packedDataBlock"})
 
     def _op(self, method: str, args: Any, *rest: Any, **kwargs: Any) -> str | list[str] | None:
         entry = GRAPHCORE_OPS[method]
@@ -490,6 +503,7 @@ class Builder(NodeSettings, SubgraphBuilding):
         self._data: dict[str, onnx.TensorProto] = {}  # constants and initializers
         self._scopes: dict[str, list[Any]] = {}
         self._uses_graphcore = False
+        self._custom_domains: dict[str, int] = {}   # customOp domains and their versions
         self._parent: Builder | None = None      # the enclosing builder of a sub-builder
         self._children: list[Builder] = []
         self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
@@ -690,7 +704,34 @@ class Builder(NodeSettings, SubgraphBuilding):
         opsets = [helper.make_opsetid("", self._onnx_version)]
         if self._uses_graphcore:
             opsets.append(helper.make_opsetid(AI_GRAPHCORE, 1))
+        opsets += [helper.make_opsetid(d, v) for d, v in self._custom_domains.items()]
         return opsets
+
+    def customOp(self, opName: str, opVersion: int, domain: str, inputs: Sequence[str],
+                 attributes: Mapping[str, Any], numOutputs: int = 1,
+                 name: str = "") -> list[str]:
+        """PopART's customOp: a node of ``domain``'s ``opName`` (version ``opVersion``) on
+        ``inputs`` with ``attributes``; its ``numOutputs`` output ids. An ai.onnx or
+        ai.graphcore op comes out as that op; another domain's runs on the xla backend once
+        registered (``popart_kit.register_custom_op``), whose ``infer`` types its outputs
+        (left untyped otherwise, as PopART leaves them)."""
+        if not is_count(numOutputs):
+            raise TypeError(f"customOp: numOutputs={numOutputs!r} is not a count.")
+        inputs, attrs = [str(i) for i in inputs], dict(attributes)
+        if domain in ("", "ai.onnx"):
+            return self._add_node(opName, inputs, numOutputs, attrs, name)
+        if domain == AI_GRAPHCORE:
+            return self._add_node(opName, inputs, numOutputs, attrs, name, domain=domain,
+                                  out_types=[])
+        registered = custom_op(domain, opName, opVersion)
+        types = [self._tensor_type_of(t) for t in inputs if t in self._types]
+        out_types = ([helper.make_tensor_type_proto(dtype, shape)
+                      for dtype, shape in registered.infer(types, attrs)]
+                     if registered is not None and registered.infer is not None else [])
+        ids = self._add_node(opName, inputs, numOutputs, attrs, name, domain=domain,
+                             out_types=out_types)
+        self._custom_domains[domain] = int(opVersion)
+        return ids
 
     def _proto(self) -> onnx.ModelProto:
         graph = self._graph_proto()
@@ -707,6 +748,36 @@ class Builder(NodeSettings, SubgraphBuilding):
     def saveModelProto(self, filename: str) -> None:
         """Write the model to ``filename``, replacing any file there whole or not at all."""
         write_atomic(filename, self._proto().SerializeToString())
+
+    def saveInitializersExternally(self, ids: Sequence[str], fn: str) -> None:
+        """PopART's: the data of initializers ``ids`` moves to the file ``fn`` (written whole,
+        one after another) and the model refers to it (ONNX external data, location ``fn``).
+        A session reads such a model from a file: save it with saveModelProto so that ``fn``
+        is relative to its folder (the kit reads external data only from there)."""
+        folder = os.path.dirname(fn)
+        if folder and not os.path.isdir(folder):
+            raise BuilderError(f"Saving tensor data to file {fn}, but its parent directory "
+                               f"does not exist")
+        found = {t.name: t for t in self._graph.initializer}
+        for tensor_id in ids:
+            if tensor_id not in found:
+                raise BuilderError(f"Tensor '{tensor_id}' is not an initializer")
+            if found[tensor_id].data_location == onnx.TensorProto.EXTERNAL:
+                raise BuilderError(f"Tensor '{tensor_id}' is already saved externally")
+        blob = bytearray()
+        for tensor_id in dict.fromkeys(ids):
+            tensor = found[tensor_id]
+            raw = numpy_helper.to_array(tensor).tobytes()
+            offset = len(blob)
+            blob += raw
+            kept = onnx.TensorProto(name=tensor.name, dims=tensor.dims,
+                                    data_type=tensor.data_type, raw_data=raw)
+            external_data_helper.set_external_data(kept, location=fn, offset=offset,
+                                                   length=len(raw))
+            kept.ClearField("raw_data")
+            kept.data_location = onnx.TensorProto.EXTERNAL
+            tensor.CopyFrom(kept)
+        write_atomic(fn, bytes(blob))
 
     def _tensor_type(self, tensor_id: str) -> onnx.TypeProto.Tensor:
         if tensor_id not in self._types:

@@ -116,3 +116,14 @@ def test_name_scope_is_popart_s():
     assert "getNameScope" in API["classes"]["Builder"]["methods"]
     assert [list(inspect.signature(pk.Builder().nameScope).parameters)] == (
         API["classes"]["Builder"]["overloads"]["nameScope"])
+
+
+def test_every_builder_method_and_ai_graphcore_operator_popart_has_is_here():
+    """Walks the recorded API: each is implemented, or refuses with the reason (a
+    BuilderError naming the fix) - none is missing."""
+    b = pk.Builder()
+    assert [m for m in API["classes"]["Builder"]["methods"] if not hasattr(b, m)] == []
+    assert [m for m in OPS["ai_graphcore"] if not hasattr(b.aiGraphcore, m)] == []
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))
+    with pytest.raises(pk.BuilderError, match="Fix: "):
+        b.aiGraphcore.packedDataBlock([x], [2], 2, 1, pk.Builder())

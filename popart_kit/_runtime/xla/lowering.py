@@ -59,6 +59,7 @@ from .ops import (
     partials,
     read_attributes,
 )
+from .ops_custom import custom_entry
 from .ops_random import draws_random
 
 __all__ = ["Body", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
@@ -373,6 +374,13 @@ def lower(model: onnx.ModelProto | bytes | str | Path,
     return _lower_graph(model.graph, _opset(model), given, None)
 
 
+def _entry(node: onnx.NodeProto) -> Op | None:
+    """The node's operator: the table's, else a custom op registered for its domain."""
+    if node.domain in ("", "ai.onnx", GRAPHCORE):
+        return OPS.get((GRAPHCORE if node.domain == GRAPHCORE else "", node.op_type))
+    return OPS.get((node.domain, node.op_type)) or custom_entry(node.domain, node.op_type)
+
+
 def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray],
                  outer: _Outer | None) -> LoweredGraph:
     """:func:`lower` for one graph: the model's, or (``outer`` given: the enclosing graph's
@@ -411,9 +419,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
             unusable.add(value.name)
 
     # Which tensors can be constants (A), which must be (B), which are (C).
-    entries = [(node, OPS.get((GRAPHCORE if node.domain == GRAPHCORE else
-                               "" if node.domain in ("", "ai.onnx") else node.domain,
-                               node.op_type))) for node in _with_outer_inputs(graph.node)]
+    entries = [(node, _entry(node)) for node in _with_outer_inputs(graph.node)]
     capable = {*initializers, *given, *(outer.known if outer else ())}
     for node, entry in entries:
         if entry and not (entry.random or draws_random(node)) and (
@@ -452,7 +458,11 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
                             f"an initializer or a graph input")
         if entry is None:
             domain = node.domain or "ai.onnx"
-            problems.append(f"{where}: operator {domain}.{node.op_type} is not supported")
+            custom = "" if domain in ("ai.onnx", GRAPHCORE) else (
+                f" (a custom op: give its computation with popart_kit.register_custom_op("
+                f"{domain!r}, {node.op_type!r}, version, compute))")
+            problems.append(f"{where}: operator {domain}.{node.op_type} is not supported"
+                            f"{custom}")
             continue
         try:
             own_partials = node_partials(node)
