@@ -30,6 +30,7 @@ is a constant lowers only the branch it takes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ..._base.problems import raise_errors
+from ..._model.builder_settings import RECOMPUTE_OUTPUT
 from ..._model.builder_subgraphs import free_names, node_reads
 from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
@@ -62,7 +65,8 @@ from .ops import (
 from .ops_custom import custom_entry
 from .ops_random import draws_random
 
-__all__ = ["Body", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower", "unsupported"]
+__all__ = ["Body", "KEPT", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower",
+           "recomputation", "unsupported"]
 
 
 class NodeFailed(ModelError):
@@ -88,6 +92,8 @@ class _Node:
     outputs: tuple[str, ...]    # "" for an output not asked for
     static: bool                # runs on numpy values while tracing (shape-derived)
     partials: str | None = None  # the node's own partials type (PopART's setPartialsType)
+    recompute: int = 0          # its RecomputeType (Builder.recomputeOutputInBackwardPass):
+    #                             0 undefined, 1 checkpoint, 2 recompute
 
 
 class LoweredGraph:
@@ -125,6 +131,11 @@ class LoweredGraph:
                             weights={k: v for k, v in self.weights.items() if k in read},
                             constants=self.constants, known=self._known,
                             outputs=[o for n in nodes for o in n.outputs if o], nodes=nodes)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether Builder.recomputeOutputInBackwardPass marks any node Recompute."""
+        return any(n.recompute == 2 for n in self._nodes)
 
     def is_constant(self, name: str) -> bool:
         """Whether ``name`` was folded into a compile-time value when the model was lowered."""
@@ -170,12 +181,13 @@ class LoweredGraph:
         or ``jax.grad``."""
         plan = self._plan(tuple(wanted) + tuple(offsets or ()))
         offsets = offsets or {}
+        keep = _KEEPS.get(_RECOMPUTATION.get())  # which outputs a recomputing backward keeps
 
         def shifted(name: str, value: Any) -> Any:
             return value + offsets[name] if name in offsets else value
 
         env: dict[str, Any] = {**self._known, **(constants or {})}
-        for node in plan:
+        for position, node in enumerate(plan):
             for name in node.inputs:
                 if not name or name in env:
                     continue
@@ -216,6 +228,8 @@ class LoweredGraph:
             if missing:
                 raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): outputs {missing} "
                                         f"are not computed by the xla backend"])
+            if keep is not None and not node.static and keep(position, node):
+                results = tuple(checkpoint_name(r, KEPT) for r in results)
             env.update((name, shifted(name, value))
                        for name, value in zip(node.outputs, results, strict=False) if name)
         out = {}
@@ -226,6 +240,48 @@ class LoweredGraph:
                                 if name in self.weights else inputs[name])
             out[name] = jnp.asarray(value)
         return out
+
+
+#: The name under which :meth:`LoweredGraph.evaluate` marks the tensors a recomputing backward
+#: keeps (``jax.checkpoint_policies.save_only_these_names(KEPT)``); all others it recomputes.
+KEPT = "popart_kit.kept"
+_RECOMPUTATION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "recomputation", default=None)
+_NORMS = frozenset({"BatchNormalization", "LayerNormalization", "GroupNormalization",
+                    "InstanceNormalization", "RMSNormalization"})
+
+
+def _recompute_type(node: onnx.NodeProto) -> int:
+    return next((int(a.i) for a in node.attribute if a.name == RECOMPUTE_OUTPUT), 0)
+
+
+def _standard(position: int, node: _Node) -> bool:
+    """PopART's Standard: checkpoints spread through the forward (one node in eight here),
+    explicit marks first."""
+    return node.recompute != 2 and (node.recompute == 1 or position % 8 == 0)
+
+
+#: recomputation mode -> whether node ``position`` of the plan keeps its outputs
+_KEEPS: dict[str | None, Any] = {
+    "marked": lambda position, node: node.recompute != 2,
+    "standard": _standard,
+    "recompute_all": lambda position, node: node.recompute == 1,
+    "norm_only": lambda position, node: node.recompute != 2 and node.ctx.op_type not in _NORMS,
+}
+
+
+@contextlib.contextmanager
+def recomputation(mode: str | None) -> Any:
+    """Within this block :meth:`LoweredGraph.evaluate` marks the outputs a backward keeps under
+    PopART's recomputation ``mode`` ("standard", "recompute_all", "norm_only", or "marked": only
+    the nodes Builder.recomputeOutputInBackwardPass marks are recomputed); a step that
+    differentiates under ``jax.checkpoint(policy=save_only_these_names(KEPT))`` recomputes the
+    rest. None: nothing is marked."""
+    token = _RECOMPUTATION.set(mode)
+    try:
+        yield
+    finally:
+        _RECOMPUTATION.reset(token)
 
 
 def _own_partials(node: _Node) -> contextlib.AbstractContextManager[None]:
@@ -514,7 +570,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
                     continue
                 # in a subgraph (an If branch not taken?) it fails only if it runs
         nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static,
-                           own_partials))
+                           own_partials, _recompute_type(node)))
 
     outputs = [o.name for o in graph.output]
     for name in outputs:

@@ -28,6 +28,7 @@ from ..._base.problems import Problem, raise_errors
 from ..._base.shapes import AnchorReturnType
 from ..._model.builder_subgraphs import node_reads
 from .executors import StepFunctions
+from .lowering import KEPT, recomputation
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags
 
@@ -192,8 +193,13 @@ class XlaTrainingBackend(XlaBackend):
             scale = hyper.get("loss_scaling", 1.0)
             return jnp.sum(values[self.loss]) * scale, values
 
-        (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
-            {n: weights[n] for n in self.trained}, probes)
+        mode = self._recomputation()
+        if mode is not None:  # the backward recomputes what the forward does not keep
+            loss_of = jax.checkpoint(loss_of, policy=jax.checkpoint_policies
+                                     .save_only_these_names(KEPT))
+        with recomputation(mode):
+            (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
+                {n: weights[n] for n in self.trained}, probes)
         values = {**values, **{a: probed[t] for a, t in gradients.items()}}
         out = {"buffers": self.buffers.write(work["buffers"], {
             n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors},
@@ -204,6 +210,15 @@ class XlaTrainingBackend(XlaBackend):
             out["losses_finite"] = work["losses_finite"].at[update].set(
                 work["losses_finite"][update] & finite)
         return grads, out
+
+    def _recomputation(self) -> str | None:
+        """PopART's recomputation for this step: autoRecomputation (pipeline.recomputation;
+        a pipelined session recomputes per stage instead), else the nodes
+        Builder.recomputeOutputInBackwardPass marks, else none."""
+        mode = self.config.pipeline.recomputation
+        if mode in ("standard", "recompute_all", "norm_only"):
+            return mode
+        return "marked" if self.graph.recomputes else None
 
     def _finite(self, state: SessionState, work: Any) -> Any:
         """The run's :func:`~.state.finite_flags`; over several devices, agreed on by all."""
