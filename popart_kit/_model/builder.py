@@ -508,6 +508,39 @@ class Builder(NodeSettings, SubgraphBuilding):
         self._children: list[Builder] = []
         self.aiGraphcore = self.aiGraphcoreOpset1 = _AiGraphcore(self)
 
+    def _load(self, model: onnx.ModelProto) -> None:
+        """Start from ``model`` (PopART's Builder(modelProtoOrFilename)): its graph, opsets,
+        metadata and every tensor's type (ONNX's inference, lenient as PopART's), so that ops
+        added now extend it. Its ai.onnx opset becomes the builder's."""
+        for entry in model.opset_import:
+            if entry.domain in ("", "ai.onnx"):
+                self._use_onnx(int(entry.version))
+            elif entry.domain == AI_GRAPHCORE:
+                self._uses_graphcore = True
+            else:
+                self._custom_domains[entry.domain] = int(entry.version)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError):
+            inferred = model
+        self._graph.CopyFrom(model.graph)
+        del self._graph.value_info[:]
+        graph = inferred.graph
+        for value in (*graph.input, *graph.value_info, *graph.output):
+            self._types[value.name] = value.type
+        for node in model.graph.node:
+            for name in node.output:
+                self._types.setdefault(name, onnx.TypeProto())
+            if node.op_type == "Constant" and node.output:
+                value = next((a.t for a in node.attribute if a.name == "value"), None)
+                if value is not None:
+                    self._data[node.output[0]] = value
+        for tensor in model.graph.initializer:
+            self._data[tensor.name] = tensor
+            self._types.setdefault(tensor.name, helper.make_tensor_type_proto(
+                tensor.data_type, list(tensor.dims)))
+        self._metadata.update({p.key: p.value for p in model.metadata_props})
+
     def _choose_onnx(self, version: int) -> _AiOnnx:
         """The ai.onnx opset ``version`` for this builder's ops, if none is chosen yet."""
         if self._ai_onnx is None:

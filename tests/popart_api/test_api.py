@@ -288,3 +288,26 @@ def test_data_type_members_convert_to_popart_s_cpp_values():
     assert int(popart.DataType.UINT8) == 0 and int(popart.DataType.FLOAT8_143) == 2
     assert int(popart.DataType.FLOAT) == 11 and int(popart.DataType.FLOAT16) == 12
     assert int(popart.DataType.UNDEFINED) == 18
+
+
+def test_a_builder_extends_an_existing_model_given_as_bytes_or_a_path(tmp_path):
+    b = popart.Builder(opsets={"ai.onnx": 11})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    y = b.aiOnnx.matmul([x, b.addInitializedInputTensor(np.ones((3, 4), np.float32))])
+    b.addOutputTensor(y)
+    b.saveModelProto(str(tmp_path / "m.onnx"))
+    for source in (b.getModelProto(), str(tmp_path / "m.onnx")):
+        more = popart.Builder(source)
+        z = more.aiOnnx.relu([y])
+        assert more.getTensorShape(z) == [2, 4] and more.getInputTensorIds()[0] == x
+        with pytest.raises(popart.popart_exception, match="already defined as 11"):
+            more.aiOnnxOpset10.relu([z])
+        more.addOutputTensor(z)
+        session = popart.InferenceSession(more.getModelProto(), popart.DataFlow(1, [z]),
+                                          popart.DeviceManager().createCpuDevice())
+        session.prepareDevice()
+        anchors = session.initAnchorArrays()
+        session.run(popart.PyStepIO({x: np.full((2, 3), -1.0, np.float32)}, anchors))
+        np.testing.assert_array_equal(anchors[z], np.zeros((2, 4), np.float32))
+    with pytest.raises(popart.popart_exception, match="builderCore"):
+        popart.Builder(builderCore=object())
