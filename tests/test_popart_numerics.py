@@ -56,3 +56,29 @@ def test_a_pipelined_nll_program_with_unit_normal_weights_trains_without_nan():
         losses.append(anchors[loss].copy())
     assert all(np.isfinite(v).all() for v in losses)
     assert np.max(losses[0]) > 10   # saturated: some label's probability underflowed
+
+
+def test_softmax_then_nll_sends_popart_s_direct_gradient_to_the_logits():
+    """PopART's default pattern NlllWithSoftmaxGradDirect: d loss / d logits = p - onehot (scaled
+    by the reduction), finite and non-zero where the label's probability underflows."""
+    b = popart.Builder()
+    logits = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+    label = b.addInputTensor(popart.TensorInfo("INT32", [2]))
+    w = b.addInitializedInputTensor(np.ones((2, 3), np.float32))
+    scaled = b.aiOnnx.mul([logits, w])
+    probs = b.aiOnnx.softmax([scaled], axis=1)
+    loss = b.aiGraphcore.nllloss([probs, label], popart.ReductionType.Sum)
+    grad = popart.reservedGradientPrefix() + scaled
+    session = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss, grad, probs]),
+                                     loss, popart.SGD({"defaultLearningRate": (0.0, False)}),
+                                     popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    session.weightsFromHost()
+    anchors = session.initAnchorArrays()
+    data = np.array([[200.0, 0.0, -200.0], [0.5, 1.0, -1.0]], np.float32)  # row 0 saturates
+    labels = np.array([2, 1], np.int32)
+    session.run(popart.PyStepIO({logits: data, label: labels}, anchors))
+    expected = anchors[probs] - np.eye(3, dtype=np.float32)[labels]
+    np.testing.assert_allclose(anchors[grad], expected, rtol=1e-6, atol=1e-7)
+    assert anchors[grad][0, 2] == -1.0 and np.isclose(anchors[loss],
+                                                      -np.log(1e-7) - np.log(anchors[probs][1, 1]))

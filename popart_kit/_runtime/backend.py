@@ -90,6 +90,18 @@ def _sdk_importable() -> bool:
     return True
 
 
+def _implementation(kind: str) -> Any:
+    """The backend class of ``kind``, imported on first use (JAX then). The program's numpy
+    random state is kept: importing JAX draws from it (jax._src.clusters, JAX 0.10), and a
+    program that seeds numpy, opens a session and then draws its data must get the data it
+    gets on PopART."""
+    state = np.random.get_state()
+    try:
+        return pkgutil.resolve_name(IMPLEMENTATIONS[kind])
+    finally:
+        np.random.set_state(state)
+
+
 def resolved(name: str, popart: Any = None) -> str:
     """The backend a session named ``name`` runs on: ``auto`` is ``popart`` where the Poplar SDK
     imports (or a module is given), else ``xla``."""
@@ -116,9 +128,9 @@ def make_backend(name: str, model: onnx.ModelProto, config: SessionConfig,
                              f"only the xla backend takes these (PopART has no equivalent). "
                              f"Fix: leave them out with backend={name!r}.",
                               rule="K-xla-only")
-        return pkgutil.resolve_name(IMPLEMENTATIONS["popart"])(
+        return _implementation("popart")(
             model, config, anchors, popart, loss=loss, optimizer=optimizer)
     if loss is not None:
-        return pkgutil.resolve_name(IMPLEMENTATIONS["xla training"])(
+        return _implementation("xla training")(
             model, config, anchors, loss, optimizer, **xla_options)
-    return pkgutil.resolve_name(IMPLEMENTATIONS["xla"])(model, config, anchors, **xla_options)
+    return _implementation("xla")(model, config, anchors, **xla_options)

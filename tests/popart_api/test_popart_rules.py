@@ -316,3 +316,25 @@ def test_model_to_host_writes_half_weights_as_popart_packs_them_and_they_load_ba
     anchors = again.initAnchorArrays()
     again.run(popart.PyStepIO({x: np.ones([1, 3], np.float16)}, anchors))
     np.testing.assert_array_equal(anchors[y], np.array([[1.5, -3.0, 6.0]], np.float16))
+
+
+def test_opening_a_session_leaves_the_program_s_numpy_random_state_alone():
+    """Importing JAX draws from numpy's global generator; a program that seeds numpy, opens
+    its first session and then draws its data gets the data it gets on PopART."""
+    import subprocess
+    import sys
+
+    program = (
+        "import numpy as np, popart_kit.popart as popart\n"
+        "b = popart.Builder()\n"
+        "x = b.addInputTensor(popart.TensorInfo('FLOAT', [2]))\n"
+        "y = b.aiOnnx.relu([x])\n"
+        "np.random.seed(1234)\n"
+        "popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),\n"
+        "                        popart.DeviceManager().createCpuDevice())\n"
+        "print(np.random.randint(0, 1000, 4).tolist())\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    np.random.seed(1234)
+    assert done.stdout.strip() == str(np.random.randint(0, 1000, 4).tolist())

@@ -52,6 +52,7 @@ from ...errors import InvalidModel, ModelError, clip
 from .op_table import OPS
 from .ops import (
     GRAPHCORE,
+    SOFTMAX_AXIS,
     UNKNOWN,
     Ctx,
     NotSupported,
@@ -200,6 +201,9 @@ class LoweredGraph:
                                        f"{list(self.inputs)}.")
                     env[name] = shifted(name, jnp.asarray(inputs[name]))
             args = [env[name] if name else None for name in node.inputs]
+            if SOFTMAX_AXIS in node.ctx.attrs and node.inputs[0] in offsets:
+                args[2] = None  # the probabilities' gradient is anchored: PopART's direct
+                #                 Softmax-Nll pattern does not apply (its tensor is kept)
             try:
                 with _own_partials(node):
                     if node.static:
@@ -368,6 +372,26 @@ def _node_graphs(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
     return [(a.name, a.g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
 
 
+def _with_softmax_logits(nodes: list[onnx.NodeProto], opset: int) -> list[onnx.NodeProto]:
+    """The nodes, each PopART Nll whose probabilities a Softmax makes given that Softmax's
+    input (its logits) as a third input and its axis (:data:`SOFTMAX_AXIS`): PopART's default
+    pattern NlllWithSoftmaxGradDirect, which :func:`~.ops.popart_nll` applies."""
+    softmax = {n.output[0]: n for n in nodes if n.op_type == "Softmax"
+               and n.domain in ("", "ai.onnx") and n.output}
+    out = []
+    for node in nodes:
+        made = softmax.get(node.input[0]) if node.input else None
+        if (node.op_type == "Nll" and node.domain == GRAPHCORE and made is not None
+                and len(node.input) == 2):
+            axis = next((int(a.i) for a in made.attribute if a.name == "axis"),
+                        -1 if opset >= 13 else 1)
+            node = onnx.NodeProto.FromString(node.SerializeToString())
+            node.input.append(made.input[0])
+            node.attribute.append(onnx.helper.make_attribute(SOFTMAX_AXIS, axis))
+        out.append(node)
+    return out
+
+
 def _with_outer_inputs(graph_nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """The nodes, each that calls subgraphs given as extra inputs (after its own) the tensors
     of this graph and enclosing ones that its subgraphs read (an If branch's inputs among
@@ -475,7 +499,8 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
             unusable.add(value.name)
 
     # Which tensors can be constants (A), which must be (B), which are (C).
-    entries = [(node, _entry(node)) for node in _with_outer_inputs(graph.node)]
+    entries = [(node, _entry(node)) for node in _with_softmax_logits(
+        _with_outer_inputs(graph.node), opset)]
     capable = {*initializers, *given, *(outer.known if outer else ())}
     for node, entry in entries:
         if entry and not (entry.random or draws_random(node)) and (

@@ -32,8 +32,8 @@ from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ...errors import ModelError
 
-__all__ = ["GRAPHCORE", "OPS", "UNKNOWN", "Ctx", "NotSupported", "Op", "UnsupportedModel",
-           "node_partials", "np_dtype", "partials", "read_attributes"]
+__all__ = ["GRAPHCORE", "OPS", "SOFTMAX_AXIS", "UNKNOWN", "Ctx", "NotSupported", "Op",
+           "UnsupportedModel", "node_partials", "np_dtype", "partials", "read_attributes"]
 
 GRAPHCORE = "ai.graphcore"
 
@@ -180,8 +180,14 @@ def op(*names: str, domain: str = "", check: Callable[[Ctx], None] | None = None
 
 #: PopART annotations that are part of an op's meaning, kept among its attributes: the
 #: replicated collectives' operator and replica group, MultiConv's per-convolution partials.
+#: On an Nll node whose probabilities a Softmax makes: that Softmax's axis (its logits are the
+#: node's third input), for PopART's direct gradient (see :func:`popart_nll`).
+SOFTMAX_AXIS = "__softmax_axis"
+
+
 SEMANTIC_ANNOTATIONS = frozenset({"__collectiveOperator", "__collectiveCommGroup",
-                                  "__collectiveReplicaGrouping", "__partials_type"})
+                                  "__collectiveReplicaGrouping", "__partials_type",
+                                  SOFTMAX_AXIS})
 
 
 def read_attributes(node: NodeProto) -> dict[str, Any]:
@@ -1405,15 +1411,27 @@ _nll_log.defvjp(_nll_log_fwd, _nll_log_bwd)
 
 
 @op("Nll", domain=GRAPHCORE, check=_check_popart_reduction)
-def popart_nll(ctx: Ctx, probs: Any, label: Any) -> Any:
+def popart_nll(ctx: Ctx, probs: Any, label: Any, logits: Any = None) -> Any:
     """PopART's Nll: classes on the last axis; ``inputIsLogProbability`` takes -x[label],
     else -log(max(x[label], eps)) with PopART's clamps (:func:`_nll_eps`); ``ignoreIndex``
-    labels add 0 and Mean divides by the others."""
+    labels add 0 and Mean divides by the others. Given the ``logits`` of the Softmax that made
+    ``probs`` (over the last axis), the gradient goes to them directly as p - onehot, as
+    PopART's default pattern NlllWithSoftmaxGradDirect gives it (finite where the chain rule
+    through log is not), and none to ``probs``."""
     ignore = ctx.attr("ignoreIndex")
     mask = jnp.ones(label.shape, bool) if ignore is None else label != ignore
     safe = jnp.where(mask, label, 0)
     picked = jnp.take_along_axis(probs, safe[..., None], axis=-1, mode="clip")[..., 0]
-    if not ctx.attr("inputIsLogProbability", 0):
+    direct = (logits is not None and not ctx.attr("inputIsLogProbability", 0)
+              and ctx.attr(SOFTMAX_AXIS) in (-1, probs.ndim - 1)
+              and logits.shape == probs.shape)
+    if direct:  # PopART's NlllWithSoftmaxGradDirect: d loss / d logits = p - onehot
+        value = jax.lax.stop_gradient(probs)
+        picked = _nll_log(jax.lax.stop_gradient(picked))
+        step = value - jax.nn.one_hot(safe, probs.shape[-1], dtype=probs.dtype)
+        carrier = jnp.sum(jax.lax.stop_gradient(step) * logits, axis=-1)
+        picked = picked - (carrier - jax.lax.stop_gradient(carrier))
+    elif not ctx.attr("inputIsLogProbability", 0):
         picked = _nll_log(picked)
     loss = jnp.where(mask, -picked, jnp.zeros((), probs.dtype))
     count = None if ignore is None else jnp.maximum(jnp.sum(mask), 1).astype(probs.dtype)
