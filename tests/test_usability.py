@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import pathlib
 
 import pytest
 
@@ -397,3 +398,11 @@ def test_package_and_docs_refer_to_nothing_outside_the_repository() -> None:
         text = path.read_text()
         for outside in ("DESIGN.md", "shared/", "seed 0", "seeds/"):
             assert outside not in text, f"{path} refers to {outside}"
+
+
+def test_docs_operators_md_is_generated_from_the_operator_table():
+    from popart_kit._runtime.xla.operator_docs import markdown
+
+    docs = pathlib.Path(__file__).parent.parent / "docs"
+    assert (docs / "operators.md").read_text() == markdown(), \
+        "regenerate: python -m popart_kit._runtime.xla.operator_docs > docs/operators.md"
