@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-from jax.ad_checkpoint import checkpoint_name
 
 from ..._base.problems import raise_errors
 from ..._model.builder_settings import RECOMPUTE_OUTPUT
@@ -66,7 +65,7 @@ from .ops import (
 from .ops_custom import custom_entry
 from .ops_random import draws_random
 
-__all__ = ["Body", "KEPT", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower",
+__all__ = ["Body", "LoweredGraph", "NodeFailed", "UnsupportedModel", "lower",
            "recomputation", "unsupported"]
 
 
@@ -188,7 +187,8 @@ class LoweredGraph:
             return value + offsets[name] if name in offsets else value
 
         env: dict[str, Any] = {**self._known, **(constants or {})}
-        for position, node in enumerate(plan):
+
+        def load(node: _Node) -> None:  # the weights and inputs the node reads, into env
             for name in node.inputs:
                 if not name or name in env:
                     continue
@@ -200,7 +200,10 @@ class LoweredGraph:
                         raise KeyError(f"input {name!r} is missing; the model's inputs are "
                                        f"{list(self.inputs)}.")
                     env[name] = shifted(name, jnp.asarray(inputs[name]))
-            args = [env[name] if name else None for name in node.inputs]
+
+        def compute(node: _Node, values: dict[str, Any],
+                    shifts: Mapping[str, Any]) -> None:  # its outputs, into values
+            args = [values[name] if name else None for name in node.inputs]
             if SOFTMAX_AXIS in node.ctx.attrs and node.inputs[0] in offsets:
                 args[2] = None  # the probabilities' gradient is anchored: PopART's direct
                 #                 Softmax-Nll pattern does not apply (its tensor is kept)
@@ -232,10 +235,31 @@ class LoweredGraph:
             if missing:
                 raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): outputs {missing} "
                                         f"are not computed by the xla backend"])
-            if keep is not None and not node.static and keep(position, node):
-                results = tuple(checkpoint_name(r, KEPT) for r in results)
-            env.update((name, shifted(name, value))
-                       for name, value in zip(node.outputs, results, strict=False) if name)
+            values.update((name, value + shifts[name] if name in shifts else value)
+                          for name, value in zip(node.outputs, results, strict=False) if name)
+
+        for segment in _segments(plan, keep, bool(fresh)):
+            for node in segment:
+                load(node)
+            if len(segment) == 1 or keep is None:
+                for node in segment:
+                    compute(node, env, offsets)
+                continue
+            # PopART's recomputation: the backward recomputes this segment from its inputs
+            # (every traced value it reads is an argument, so gradients reach them all)
+            made = {o for node in segment for o in node.outputs if o}
+            reads = list(dict.fromkeys(i for node in segment for i in node.inputs
+                                       if i and i not in made and i not in self._known))
+            shifts = {name: offsets[name] for name in made if name in offsets}
+
+            def run(values: dict[str, Any], shifts: dict[str, Any],
+                    segment: list[_Node] = segment, made: set[str] = made) -> dict[str, Any]:
+                local = {**self._known, **(constants or {}), **values}
+                for node in segment:
+                    compute(node, local, shifts)
+                return {name: local[name] for name in made}
+
+            env.update(jax.checkpoint(run)({name: env[name] for name in reads}, shifts))
         out = {}
         for name in wanted:
             value = env.get(name)
@@ -246,9 +270,24 @@ class LoweredGraph:
         return out
 
 
-#: The name under which :meth:`LoweredGraph.evaluate` marks the tensors a recomputing backward
-#: keeps (``jax.checkpoint_policies.save_only_these_names(KEPT)``); all others it recomputes.
-KEPT = "popart_kit.kept"
+def _segments(plan: list[_Node], keep: Any, fresh: bool) -> list[list[_Node]]:
+    """The plan cut after each node whose outputs the backward keeps (a checkpoint, by
+    ``keep``): each segment is recomputed from its inputs in the backward. One node per
+    segment without recomputation, and around nodes computed at trace time (shape-derived)
+    or with fresh weights (pipelining), which are never recomputed."""
+    if keep is None:
+        return [[node] for node in plan]
+    out: list[list[_Node]] = [[]]
+    for position, node in enumerate(plan):
+        if node.static or fresh:
+            out += [[node], []]
+            continue
+        out[-1].append(node)
+        if keep(position, node):
+            out.append([])
+    return [segment for segment in out if segment]
+
+
 _RECOMPUTATION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "recomputation", default=None)
 _NORMS = frozenset({"BatchNormalization", "LayerNormalization", "GroupNormalization",
@@ -276,11 +315,11 @@ _KEEPS: dict[str | None, Any] = {
 
 @contextlib.contextmanager
 def recomputation(mode: str | None) -> Any:
-    """Within this block :meth:`LoweredGraph.evaluate` marks the outputs a backward keeps under
-    PopART's recomputation ``mode`` ("standard", "recompute_all", "norm_only", or "marked": only
-    the nodes Builder.recomputeOutputInBackwardPass marks are recomputed); a step that
-    differentiates under ``jax.checkpoint(policy=save_only_these_names(KEPT))`` recomputes the
-    rest. None: nothing is marked."""
+    """Within this block :meth:`LoweredGraph.evaluate` recomputes in the backward what PopART's
+    recomputation ``mode`` does not keep ("standard", "recompute_all", "norm_only", or "marked":
+    only the nodes Builder.recomputeOutputInBackwardPass marks Recompute): the plan is cut
+    after each kept node and each segment is a ``jax.checkpoint``, recomputed from its inputs
+    when its backward runs. None: everything is kept."""
     token = _RECOMPUTATION.set(mode)
     try:
         yield

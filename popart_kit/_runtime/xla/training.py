@@ -28,7 +28,7 @@ from ..._base.problems import Problem, raise_errors
 from ..._base.shapes import AnchorReturnType
 from ..._model.builder_subgraphs import node_reads
 from .executors import StepFunctions
-from .lowering import KEPT, recomputation
+from .lowering import recomputation
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags
 
@@ -193,11 +193,7 @@ class XlaTrainingBackend(XlaBackend):
             scale = hyper.get("loss_scaling", 1.0)
             return jnp.sum(values[self.loss]) * scale, values
 
-        mode = self._recomputation()
-        if mode is not None:  # the backward recomputes what the forward does not keep
-            loss_of = jax.checkpoint(loss_of, policy=jax.checkpoint_policies
-                                     .save_only_these_names(KEPT))
-        with recomputation(mode):
+        with recomputation(self._recomputation()):  # what the backward recomputes
             (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
                 {n: weights[n] for n in self.trained}, probes)
         values = {**values, **{a: probed[t] for a, t in gradients.items()}}
