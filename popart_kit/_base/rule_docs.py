@@ -328,6 +328,9 @@ RULES: dict[str, tuple[str, str]] = {
                       "step (irlowering.cpp initRandomSeed, GetRandomSeedOp); Dropout is the "
                       "identity in an InferenceSession (dropoutx.cpp); a seed attribute is "
                       "refused (randombase.cpp)."),
+    "K-xla-auto-loss-scaling": ("Automatic loss scaling, which the xla backend does not "
+                                "implement, is off.", "xla backend: PopART's "
+                                "automaticlossscaling.cpp has no equivalent here yet."),
     "K-xla-distributed": ("One xla process runs one instance.", "xla backend."),
     "K-xla-only": ("A feature only the xla backend has.", "xla backend."),
 }

@@ -57,6 +57,11 @@ def _value_problem(type_: str, value: Any) -> str | None:
                 isinstance(k, str) and _is_int(v) for k, v in value.items()):
             return "expected a table of tensor names to integers"
         return None
+    if type_.startswith("other:optional list[str]"):  # a struct field PopART leaves unset
+        if value is None or (isinstance(value, list) and all(isinstance(v, str)
+                                                             for v in value)):
+            return None
+        return "expected a list of tensor names, or none"
     if type_.startswith(("list[", "set[")):
         inner = type_[type_.index("[") + 1:-1]
         if not isinstance(value, list):

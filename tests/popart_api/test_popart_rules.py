@@ -338,3 +338,19 @@ def test_opening_a_session_leaves_the_program_s_numpy_random_state_alone():
     assert done.returncode == 0, done.stderr
     np.random.seed(1234)
     assert done.stdout.strip() == str(np.random.randint(0, 1000, 4).tolist())
+
+
+def test_automatic_loss_scaling_settings_are_taken_and_its_use_refused_with_the_reason():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT16", [2, 4]))
+    w = b.addInitializedInputTensor(np.ones((4, 4), np.float16))
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([x, w])], 0.1)
+    opts = popart.SessionOptions()
+    opts.automaticLossScalingSettings.toTrackTensors = [w]   # an optional list of names
+    optimizer = popart.SGD({"defaultLearningRate": (0.1, False), "lossScaling": (8.0, False)})
+    _train_opts = dict(fnModel=b.getModelProto(), dataFlow=popart.DataFlow(1, [loss]),
+                       loss=loss, optimizer=optimizer, deviceInfo=_cpu(), userOptions=opts)
+    popart.TrainingSession(**_train_opts)   # settings alone, ALS off: runs
+    opts.automaticLossScalingSettings.enabled = True
+    with pytest.raises(popart.popart_exception, match="K-xla-auto-loss-scaling"):
+        popart.TrainingSession(**_train_opts)

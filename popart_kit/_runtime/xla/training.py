@@ -68,6 +68,15 @@ class XlaTrainingBackend(XlaBackend):
         hyperparameters on the devices."""
         loss = self.loss
         problems = self._gradient_problems()
+        als = self.config.popart_options.get("automaticLossScalingSettings") or {}
+        if isinstance(als, dict) and als.get("enabled"):
+            problems.append(Problem(
+                ("popart_options", "automaticLossScalingSettings", "enabled"),
+                "automatic loss scaling is on, which the xla backend does not implement "
+                "(PopART moves the loss scale after each update from a histogram of the "
+                "gradients); training without it would give other numbers.",
+                "turn it off and give the optimizer a fixed loss scaling, or run on the Poplar "
+                "SDK.", "K-xla-auto-loss-scaling"))
         if loss not in self.graph.tensors:
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
