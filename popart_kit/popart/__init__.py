@@ -3,12 +3,14 @@
 ``import popart_kit.popart as popart`` (or ``popart-kit run SCRIPT``, which makes ``import
 popart`` resolve here) gives PopART's names - Builder, TensorInfo, DataFlow, AnchorReturnType,
 SessionOptions, DeviceManager, InferenceSession, TrainingSession, PyStepIO, PyStepIOCallback,
-PyWeightsIO, SGD, ConstSGD, Adam, the enums, reservedGradientPrefix() and the other reserved
-prefixes, popart_exception - with PopART's signatures and defaults. Sessions run on the kit's
-xla runtime: replicated, accumulated and pipelined programs run on a CPU or GPU.
+PyWeightsIO, SGD, ConstSGD, Adam, Adaptive, GraphTransformer, the enums, the reserved prefixes,
+popart_exception and OutOfMemoryException - with PopART's signatures and defaults. Sessions
+run on the kit's xla runtime: replicated, accumulated and pipelined programs run on a CPU or
+GPU.
 
 What cannot change here: Patterns are accepted and recorded but the runtime lowers the ONNX
-graph itself, so they change nothing; options about Poplar (engineOptions, tile counts,
+graph itself, so they change nothing (a Softmax followed by Nll always gets PopART's default
+direct gradient); options about Poplar (engineOptions, tile counts,
 outlining, memory proportions) are validated and kept but do not change the numbers;
 executables, reports and cycle counts do not exist (those methods raise popart_exception).
 """
