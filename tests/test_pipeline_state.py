@@ -113,6 +113,20 @@ def test_a_refused_run_keeps_weights_and_optimizer_state_and_the_session_goes_on
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as a terminal delivers it, even when this suite was started in the background
+    (where SIGINT is inherited ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """This process's Ctrl-C raises KeyboardInterrupt during each test, as in a terminal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_when(monkeypatch: pytest.MonkeyPatch, stage: int, kind: str) -> list:
     """Ctrl-C, sent to the main thread as a terminal's is, when pipeline stage ``stage`` starts
     its first ``kind`` action, which then keeps its thread busy a moment longer. Returns a
@@ -220,7 +234,8 @@ sess.run(feed)
 def test_an_uncaught_ctrl_c_in_a_pipelined_run_ends_the_process_by_sigint_not_sigabrt():
     tests = str(Path(__file__).parent)
     done = subprocess.run([sys.executable, "-c", UNCAUGHT.format(tests=tests)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=_default_sigint)  # as a terminal starts it
     assert "KeyboardInterrupt" in done.stderr
     assert "terminate called" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == -signal.SIGINT, (done.returncode, done.stderr[-2000:])
