@@ -252,10 +252,9 @@ def _listed_types(schema: onnx.defs.OpSchema, node: onnx.NodeProto,
         tensor = inputs[name].tensor_type
         if not options or not inputs[name].HasField("tensor_type"):
             continue
-        given = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-        if f"tensor({onnx.helper.tensor_dtype_to_string(tensor.elem_type)[12:].lower()})" \
-                in options:
+        if f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})" in options:
             continue
+        given = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         kinds = ("INT64", "INT32") if given.kind in "iu" else ("FLOAT",) if given.kind == "f" \
             else ()
         for kind in kinds:
@@ -453,7 +452,7 @@ class _AiGraphcore:
             value = given.get(pname, default)
             if value is REQUIRED:
                 raise TypeError(f"aiGraphcore.{method}: missing argument {pname!r}.")
-            value = entry.convert(pname, kind, value)
+            value = entry.convert(kind, value)
             if value is not None:
                 attrs[entry.attribute(pname)] = value
         builder = self._builder

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .graphcore import TensorType  # (ONNX elem type, shape or None), as the Builder types
+
 __all__ = ["CustomOp", "CUSTOM_OPS", "custom_op", "register_custom_op"]
 
-#: (ONNX elem type, shape or None), as the Builder's type inference uses them
-TensorType = tuple[int, "list[int] | None"]
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class _Session:
         self.model = load_model(model)
         check_model(self.model)
         # on the xla backend the kit places the ops as PopART would; PopART places its own
-        if backend in BACKENDS and resolved(backend, popart) == "xla":
+        if resolved(backend, popart) == "xla":  # _check_arguments refused other names
             if config.virtual_graph_mode == "auto":
                 self.model = auto_placed(self.model, config)
             elif config.virtual_graph_mode == "execution_phases":

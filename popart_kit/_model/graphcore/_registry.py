@@ -60,8 +60,9 @@ class GraphcoreOp:
         """The ONNX attribute that parameter ``name`` sets."""
         return dict(self.renamed).get(name, name)
 
-    def convert(self, name: str, kind: str | Callable[[Any], Any], value: Any) -> Any:
-        """The attribute value of parameter ``name`` (None leaves the attribute out)."""
+    @staticmethod
+    def convert(kind: str | Callable[[Any], Any], value: Any) -> Any:
+        """A parameter's attribute value by its ``kind`` (None leaves the attribute out)."""
         convert = CONVERTERS[kind] if isinstance(kind, str) else kind
         return convert(value)
 
