@@ -425,3 +425,47 @@ def test_the_kit_s_checks_take_popart_s_if_branches_and_calls():
     for cond, want in ((True, [6, 12]), (False, [-3, -6])):
         got = session.run({x: np.array([1, 2], np.float32), c: np.array(cond)})[z]
         np.testing.assert_allclose(got.reshape(-1), want)
+
+
+def test_a_pipeline_stage_s_if_branch_reads_a_tensor_an_earlier_stage_made():
+    """The pipeline split counts what a stage's subgraphs read from the enclosing graph as
+    that stage's reads, so the tensor crosses stages like any input does: the pipelined If
+    trains as the same pipeline with the branch written inline."""
+    losses, weights = [], []
+    for use_if in (True, False):
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+        c = b.addInputTensor(popart.TensorInfo("BOOL", []))
+        w0, w1 = b.addInitializedInputTensor(W), b.addInitializedInputTensor(W / 2)
+        with b.virtualGraph(0), b.pipelineStage(0):
+            a = b.aiOnnx.tanh([b.aiOnnx.matmul([x, w0])])
+        with b.virtualGraph(1), b.pipelineStage(1):
+            if use_if:
+                then, other = b.createSubgraphBuilder(), b.createSubgraphBuilder()
+                then.addOutputTensor(then.aiOnnx.matmul([a, w1]))   # reads a from stage 0
+                other.addOutputTensor(other.aiOnnx.neg([a]))
+                y = b.aiOnnx.logical_if([c], 1, other, then)[0]
+            else:
+                y = b.aiOnnx.matmul([a, w1])
+            loss = b.aiGraphcore.l1loss([y], 0.5)
+        opts = popart.SessionOptions()
+        opts.enablePipelining, opts.enableGradientAccumulation = True, True
+        opts.virtualGraphMode, opts.accumulationFactor = popart.VirtualGraphMode.Manual, 4
+        session = popart.TrainingSession(
+            fnModel=b.getModelProto(), loss=loss, optimizer=popart.ConstSGD(0.1),
+            dataFlow=popart.DataFlow(1, {loss: popart.AnchorReturnType("All")}),
+            userOptions=opts,
+            deviceInfo=popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}))
+        session.prepareDevice()
+        session.weightsFromHost()
+        anchors = session.initAnchorArrays()
+        data = np.stack([X * k for k in (1, -1, 2, 0.5)])
+        session.run(popart.PyStepIO({x: data, c: np.ones(4, bool)}, anchors))
+        losses.append(anchors[loss].copy())
+        read = {w0: np.empty_like(W), w1: np.empty_like(W)}
+        session.weightsToHost()
+        session.readWeights(popart.PyWeightsIO(read))
+        weights.append(read[w1])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    np.testing.assert_allclose(weights[0], weights[1], rtol=1e-6)
+    assert not np.allclose(weights[0], W / 2)

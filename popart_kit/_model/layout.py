@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from .._base.problems import Problem, emit_warnings, raise_errors
 from ..errors import ModelError, ModelTypeError, short
 from .builder_settings import EXECUTION_PHASE
+from .builder_subgraphs import node_reads
 from .tensors import in_onnx_form
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ class PipelineLayout:
                 continue
             label = node.name or (node.output[0] if node.output else f"{node.op_type}#{index}")
             ops.append(StagedOp(label, node.op_type,
-                                tuple(i for i in node.input if i), tuple(node.output),
+                                tuple(node_reads(node)), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH),
                                 _int_attribute(node, EXECUTION_PHASE)))

@@ -54,6 +54,7 @@ import onnx
 from ..._base.names import GRADIENT_PREFIX
 from ..._base.schedule import Action, PipelineSchedule, chrome_trace, measured_bubble
 from ..._base.shapes import AnchorReturnType, StepShape
+from ..._model.builder_subgraphs import node_reads
 from ..._model.layout import PipelineLayout
 from ...errors import ConfigError
 from .executors import StepResult
@@ -127,7 +128,7 @@ def split(facts: PipelineFacts, wanted: list[str], gradients: list[str] = ()
         s = next((stage_of[o] for o in node.output if o in stage_of), None)
         if s is None:
             continue
-        for i in node.input:
+        for i in node_reads(node):
             if i and not graph.is_constant(i):
                 reads[s].add(i)
                 needed_by[i] = max(needed_by.get(i, -1), s)
