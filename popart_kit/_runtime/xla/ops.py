@@ -286,17 +286,189 @@ def _softplus(x: Any) -> Any:
     return jnp.logaddexp(x, jnp.zeros((), x.dtype))
 
 
+# -- PopART's own arithmetic where it departs from the ONNX formula or from autodiff; each
+#    departure, with the PopART source it follows, is listed in operator_docs.DEPARTURES ------
+
+def _popart_relu(x: Any) -> Any:
+    """popnn's RELU: its gradient is 0 at x = 0 (``maximum`` would give 0.5); NaN passes."""
+    return jnp.where(x <= 0, jnp.zeros((), x.dtype), x)
+
+
+@jax.custom_vjp
+def _popart_sinh(x: Any) -> Any:
+    """PopART's Sinh, 0.5 (exp(x) - 1/exp(x)), with its gradient 0.5 (exp(x) + 1/exp(x))."""
+    e = jnp.exp(x)
+    return 0.5 * (e - 1 / e)
+
+
+def _popart_sinh_fwd(x: Any) -> tuple[Any, Any]:
+    return _popart_sinh(x), x
+
+
+def _popart_sinh_bwd(x: Any, g: Any) -> tuple[Any]:
+    e = jnp.exp(x)
+    return (g * (0.5 * (e + 1 / e)),)
+
+
+_popart_sinh.defvjp(_popart_sinh_fwd, _popart_sinh_bwd)
+
+
+@jax.custom_vjp
+def _popart_softplus(x: Any) -> Any:
+    """PopART's Softplus, max(x, 0) + log(1 + exp(-|x|)), with its gradient sigmoid(x)."""
+    return jnp.maximum(x, 0) + jnp.log(1 + jnp.exp(-jnp.abs(x)))
+
+
+def _popart_softplus_fwd(x: Any) -> tuple[Any, Any]:
+    return _popart_softplus(x), x
+
+
+def _popart_softplus_bwd(x: Any, g: Any) -> tuple[Any]:
+    return (g * jax.nn.sigmoid(x),)
+
+
+_popart_softplus.defvjp(_popart_softplus_fwd, _popart_softplus_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _popart_elu(x: Any, alpha: float, gamma: float) -> Any:
+    """Elu (gamma 1) and Selu, gamma (min(alpha expm1(x), 0) + max(0, x)), with PopART's
+    gradient gamma ((1 - sign x)/2 alpha exp(x) + (1 + sign x)/2): (1 + alpha)/2 at 0.
+    (PopART's forward writes exp(x) - 1, which in bfloat16 fails ONNX's conformance.)"""
+    return gamma * (jnp.minimum(alpha * jnp.expm1(x), 0) + jnp.maximum(0, x))
+
+
+def _popart_elu_fwd(x: Any, alpha: float, gamma: float) -> tuple[Any, Any]:
+    return _popart_elu(x, alpha, gamma), x
+
+
+def _popart_elu_bwd(alpha: float, gamma: float, x: Any, g: Any) -> tuple[Any]:
+    s = jnp.sign(x)  # exp of min(x, 0): PopART's 0 * exp(x) is NaN where exp overflows
+    return (g * (gamma * ((1 - s) / 2 * alpha * jnp.exp(jnp.minimum(x, 0)) + (1 + s) / 2)),)
+
+
+_popart_elu.defvjp(_popart_elu_fwd, _popart_elu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _popart_shrink(x: Any, lambd: float, bias: float) -> Any:
+    """ONNX's Shrink with PopART's gradient 0.5 (1 + sign(|x| - lambd)): 0.5 at |x| = lambd."""
+    zero = jnp.zeros((), x.dtype)
+    return jnp.where(x < -lambd, x + bias, jnp.where(x > lambd, x - bias, zero)).astype(x.dtype)
+
+
+def _popart_shrink_fwd(x: Any, lambd: float, bias: float) -> tuple[Any, Any]:
+    return _popart_shrink(x, lambd, bias), x
+
+
+def _popart_shrink_bwd(lambd: float, bias: float, x: Any, g: Any) -> tuple[Any]:
+    return (g * (0.5 * (1 + jnp.sign(jnp.abs(x) - lambd))).astype(g.dtype),)
+
+
+_popart_shrink.defvjp(_popart_shrink_fwd, _popart_shrink_bwd)
+
+
+def _sum_to(g: Any, shape: Sequence[int]) -> Any:
+    """``g`` summed over the axes numpy broadcasting added or stretched to reach its shape."""
+    lead = g.ndim - len(shape)
+    g = jnp.sum(g, tuple(range(lead))) if lead else g
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return jnp.sum(g, stretched, keepdims=True) if stretched else g
+
+
+def _popart_extremum(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """Variadic Max or Min with PopART's gradient: every input equal to the output gets the
+    whole incoming gradient (mask sign(x - out) + 1), where JAX splits it between ties."""
+    @jax.custom_vjp
+    def run(*xs: Any) -> Any:
+        return functools.reduce(fn, xs)
+
+    def fwd(*xs: Any) -> tuple[Any, Any]:
+        out = run(*xs)
+        return out, (xs, out)
+
+    def bwd(res: Any, g: Any) -> tuple[Any, ...]:
+        xs, out = res
+        zero = jnp.zeros((), g.dtype)
+        return tuple(_sum_to(jnp.where(x == out, g, zero), x.shape).astype(x.dtype)
+                     for x in xs)
+
+    run.defvjp(fwd, bwd)
+
+    def call(ctx: Ctx, *xs: Any) -> Any:
+        xs = tuple(jnp.asarray(x) for x in xs)
+        if all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs):
+            return run(*xs)
+        return functools.reduce(fn, xs)
+    return call
+
+
+def _popart_fmod(a: Any, b: Any) -> Any:
+    """C's fmod; PopART's Fmod has a gradient for the dividend only (FmodArg0GradOp)."""
+    return jnp.fmod(a, lax.stop_gradient(b))
+
+
+def _popart_remainder(a: Any, b: Any) -> Any:
+    """PopART's Remainder and Mod (fmod 0) as its ONNX pass writes them for floats,
+    fmod(fmod(a, b) + b, b): the divisor's gradient is the incoming one (through the Add);
+    integers take Python's %, which that form equals short of overflow."""
+    if not jnp.issubdtype(jnp.result_type(a, b), jnp.inexact):
+        return jnp.remainder(a, b)
+    return _popart_fmod(_popart_fmod(a, b) + b, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _popart_reduce_extreme(x: Any, axes: tuple[int, ...], keepdims: bool, biggest: bool) -> Any:
+    """ReduceMax (``biggest``) or ReduceMin of a float tensor with PopART's gradient: every
+    element equal to the result gets the whole incoming gradient, where JAX splits it."""
+    if biggest:
+        return jnp.max(x, axes, keepdims=keepdims, initial=-jnp.inf)
+    return jnp.min(x, axes, keepdims=keepdims, initial=jnp.inf)
+
+
+def _popart_reduce_extreme_fwd(x: Any, axes: tuple[int, ...], keepdims: bool,
+                               biggest: bool) -> tuple[Any, Any]:
+    out = _popart_reduce_extreme(x, axes, keepdims, biggest)
+    return out, (x, out)
+
+
+def _popart_reduce_extreme_bwd(axes: tuple[int, ...], keepdims: bool, biggest: bool,
+                               res: Any, g: Any) -> tuple[Any]:
+    x, out = res
+    if not keepdims:
+        out, g = jnp.expand_dims(out, axes), jnp.expand_dims(g, axes)
+    return (jnp.where(x == out, g, jnp.zeros((), g.dtype)),)
+
+
+_popart_reduce_extreme.defvjp(_popart_reduce_extreme_fwd, _popart_reduce_extreme_bwd)
+
+
+def _extreme(biggest: bool) -> Callable[[Any, Any, bool], Any]:
+    def run(x: Any, a: Any, k: bool) -> Any:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return _popart_reduce_extreme(x, tuple(a), k, biggest)
+        if biggest:
+            return jnp.max(x, a, keepdims=k, initial=_lowest(x.dtype))
+        return jnp.min(x, a, keepdims=k, initial=_highest(x.dtype))
+    return run
+
+
 _UNARY: dict[str, Callable[[Any], Any]] = {
     "Identity": lambda x: x,
     "Abs": jnp.abs, "Neg": jnp.negative, "Sign": jnp.sign,
     "Exp": jnp.exp, "Log": jnp.log, "Sqrt": jnp.sqrt, "Reciprocal": jnp.reciprocal,
     "Floor": jnp.floor, "Ceil": jnp.ceil, "Round": jnp.round,
-    "Relu": lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)),
+    "Relu": _popart_relu,
     "Sigmoid": jax.nn.sigmoid, "Tanh": jnp.tanh, "Erf": lax.erf,
-    "Sin": jnp.sin, "Cos": jnp.cos, "Tan": jnp.tan, "Asin": jnp.arcsin, "Acos": jnp.arccos,
-    "Atan": jnp.arctan, "Sinh": jnp.sinh, "Cosh": jnp.cosh, "Asinh": jnp.arcsinh,
-    "Acosh": jnp.arccosh, "Atanh": jnp.arctanh,
-    "Softplus": _softplus, "Softsign": lambda x: x / (1 + jnp.abs(x)),
+    "Sin": jnp.sin, "Cos": jnp.cos, "Asin": jnp.arcsin, "Atan": jnp.arctan,
+    # PopART's ONNX pass writes these five with other operators (onnxpasses/nodepatterns/trig.cpp)
+    "Tan": lambda x: jnp.sin(x) / jnp.cos(x),
+    "Acos": lambda x: math.pi / 2 - jnp.arcsin(x),
+    "Asinh": lambda x: jnp.log(x + jnp.sqrt(x ** 2 + 1)),
+    "Acosh": lambda x: jnp.log(x + jnp.sqrt(x ** 2 - 1)),
+    "Atanh": lambda x: 0.5 * jnp.log((1 + x) / (1 - x)),
+    "Sinh": _popart_sinh, "Cosh": lambda x: 0.5 * (jnp.exp(x) + jnp.exp(-x)),
+    "Softplus": _popart_softplus, "Softsign": lambda x: x / (1 + jnp.abs(x)),
     "Mish": lambda x: x * jnp.tanh(_softplus(x)),
     "Not": jnp.logical_not, "BitwiseNot": jnp.bitwise_not, "IsNaN": jnp.isnan,
 }
@@ -343,7 +515,9 @@ for _name, _fn in _BINARY.items():
 @op("Mod")
 def mod(ctx: Ctx, a: Any, b: Any) -> Any:
     if ctx.attr("fmod", 0):
-        return jnp.fmod(a, b)  # the dividend's sign, as C's fmod
+        return _popart_fmod(a, b)  # the dividend's sign, as C's fmod
+    # PopART's fmod(fmod(a, b) + b, b) makes NaN of inf inputs that ONNX defines, so Mod
+    # keeps Python's % (operator_docs.DEPARTURES); aiGraphcore.remainder takes PopART's form
     return jnp.remainder(a, b)  # the divisor's sign, as Python's %
 
 
@@ -357,8 +531,8 @@ def _variadic(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     return lambda ctx, *xs: functools.reduce(fn, (jnp.asarray(x) for x in xs))
 
 
-op("Max")(_variadic(jnp.maximum))
-op("Min")(_variadic(jnp.minimum))
+op("Max")(_popart_extremum(jnp.maximum))
+op("Min")(_popart_extremum(jnp.minimum))
 op("Sum")(_variadic(jnp.add))
 
 
@@ -381,13 +555,25 @@ def is_inf(ctx: Ctx, x: Any) -> Any:
 
 @op("Clip")
 def clip(ctx: Ctx, x: Any, lo: Any = None, hi: Any = None) -> Any:
+    """ONNX's Clip as PopART computes it (popx/op/clipx.cpp): in float16 the bounds, given or
+    not, are clamped to +-65504; the gradient is 0 where the output equals a bound."""
     if ctx.opset < 11:
         lo, hi = ctx.attr("min"), ctx.attr("max")
+    if x.dtype == np.float16:
+        lo = -65504.0 if lo is None else jnp.clip(jnp.asarray(lo, np.float32), -65504, 65504)
+        hi = 65504.0 if hi is None else jnp.clip(jnp.asarray(hi, np.float32), -65504, 65504)
+    out, keep = x, jnp.ones(jnp.shape(x), bool)
     if lo is not None:
-        x = jnp.maximum(x, jnp.asarray(lo, x.dtype))
+        lo = jnp.asarray(lo, x.dtype)
+        out = jnp.maximum(out, lo)
     if hi is not None:
-        x = jnp.minimum(x, jnp.asarray(hi, x.dtype))  # min > max gives max, as ONNX says
-    return x
+        hi = jnp.asarray(hi, x.dtype)
+        out = jnp.minimum(out, hi)  # min > max gives max, as ONNX says
+    if lo is not None:
+        keep = keep & (out != lo)
+    if hi is not None:
+        keep = keep & (out != hi)
+    return jnp.where(keep, x, lax.stop_gradient(out))
 
 
 # -- activations --------------------------------------------------------------------------------
@@ -399,14 +585,14 @@ def leaky_relu(ctx: Ctx, x: Any) -> Any:
 
 @op("Elu")
 def elu(ctx: Ctx, x: Any) -> Any:
-    return jnp.where(x > 0, x, ctx.attr("alpha", 1.0) * jnp.expm1(x))
+    return _popart_elu(x, ctx.attr("alpha", 1.0), 1.0)
 
 
 @op("Selu")
 def selu(ctx: Ctx, x: Any) -> Any:
     alpha = ctx.attr("alpha", 1.67326319217681884765625)
     gamma = ctx.attr("gamma", 1.05070102214813232421875)
-    return gamma * jnp.where(x > 0, x, alpha * jnp.expm1(x))
+    return _popart_elu(x, alpha, gamma)
 
 
 @op("Celu")
@@ -433,8 +619,7 @@ def thresholded_relu(ctx: Ctx, x: Any) -> Any:
 @op("Shrink")
 def shrink(ctx: Ctx, x: Any) -> Any:
     bias, lambd = ctx.attr("bias", 0.0), ctx.attr("lambd", 0.5)
-    zero = jnp.zeros((), x.dtype)
-    return jnp.where(x < -lambd, x + bias, jnp.where(x > lambd, x - bias, zero)).astype(x.dtype)
+    return _popart_shrink(x, lambd, bias)
 
 
 @op("PRelu")
@@ -910,8 +1095,8 @@ _REDUCE: dict[str, tuple[int, Callable[[Any, Any, bool], Any]]] = {
     "ReduceSum": (13, lambda x, a, k: jnp.sum(x, a, keepdims=k, dtype=x.dtype)),
     "ReduceMean": (18, lambda x, a, k: jnp.mean(x, a, keepdims=k)),
     "ReduceProd": (18, lambda x, a, k: jnp.prod(x, a, keepdims=k, dtype=x.dtype)),
-    "ReduceMax": (18, lambda x, a, k: jnp.max(x, a, keepdims=k, initial=_lowest(x.dtype))),
-    "ReduceMin": (18, lambda x, a, k: jnp.min(x, a, keepdims=k, initial=_highest(x.dtype))),
+    "ReduceMax": (18, _extreme(True)),  # PopART's gradient: see _popart_reduce_extreme
+    "ReduceMin": (18, _extreme(False)),
     "ReduceL1": (18, lambda x, a, k: jnp.sum(jnp.abs(x), a, keepdims=k, dtype=x.dtype)),
     "ReduceL2": (18, lambda x, a, k: jnp.sqrt(jnp.sum(x * x, a, keepdims=k))),
     "ReduceSumSquare": (18, lambda x, a, k: jnp.sum(x * x, a, keepdims=k, dtype=x.dtype)),
@@ -1440,7 +1625,8 @@ def popart_nll(ctx: Ctx, probs: Any, label: Any, logits: Any = None) -> Any:
 
 @op("Gelu", domain=GRAPHCORE)
 def popart_gelu(ctx: Ctx, x: Any) -> Any:
-    return _gelu(x)
+    """popnn's GELU (popx/op/gelux.cpp): the tanh approximation; GeluErf is the erf form."""
+    return _gelu(x, "tanh")
 
 
 # -- the other ai.graphcore operators the Builder offers (popart_kit/_model/graphcore/) ---------
@@ -1478,7 +1664,7 @@ def popart_swish(ctx: Ctx, x: Any) -> Any:
     return x * jax.nn.sigmoid(x)
 
 
-for _name, _fn in {"Atan2": jnp.arctan2, "Fmod": jnp.fmod, "Remainder": jnp.remainder,
+for _name, _fn in {"Atan2": jnp.arctan2, "Fmod": _popart_fmod, "Remainder": _popart_remainder,
                    "BitwiseAnd": jnp.bitwise_and, "BitwiseOr": jnp.bitwise_or,
                    "BitwiseXor": jnp.bitwise_xor,
                    "BitwiseXnor": lambda a, b: jnp.bitwise_not(jnp.bitwise_xor(a, b))}.items():
