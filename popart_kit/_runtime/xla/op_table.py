@@ -3,6 +3,7 @@ that registers more operators into it imported. Read the table from here."""
 
 from . import (  # noqa: F401 - they register
     ops_control,
+    ops_conv,
     ops_graphcore,
     ops_graphcore_nn,
     ops_random,

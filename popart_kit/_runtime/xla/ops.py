@@ -1248,49 +1248,6 @@ def _channel_bias(y: Any, b: Any) -> Any:
     return y if b is None else y + b.reshape((-1,) + (1,) * (y.ndim - 2))
 
 
-@op("Conv", check=_check_auto_pad)
-def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
-    strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
-    y = lax.conv_general_dilated(x, w, strides, pads, rhs_dilation=dilations,
-                                 feature_group_count=ctx.attr("group", 1),
-                                 preferred_element_type=_accumulator(x)).astype(x.dtype)
-    return _channel_bias(y, b)
-
-
-@op("ConvTranspose", check=_check_auto_pad)
-def conv_transpose(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
-    n, group = x.ndim - 2, ctx.attr("group", 1)
-    size, kernel = x.shape[2:], w.shape[2:]
-    strides = list(ctx.attr("strides") or [1] * n)
-    dilations = list(ctx.attr("dilations") or [1] * n)
-    extra = list(ctx.attr("output_padding") or [0] * n)
-    window = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
-    full = [s * (i - 1) + e + k for s, i, e, k in zip(strides, size, extra, window, strict=True)]
-    auto_pad, wanted = ctx.attr("auto_pad", "NOTSET"), ctx.attr("output_shape")
-    wanted = list(wanted)[-n:] if wanted else None
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER") and not ctx.attr("pads"):
-        wanted = wanted or [i * s for i, s in zip(size, strides, strict=True)]
-        totals = [f - o for f, o in zip(full, wanted, strict=True)]
-        upper = auto_pad == "SAME_UPPER"
-        pads = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
-    else:
-        flat = list(ctx.attr("pads") or [0] * 2 * n) if auto_pad == "NOTSET" else [0] * 2 * n
-        pads = list(zip(flat[:n], flat[n:], strict=True))
-        if wanted:  # output_shape with explicit pads: the end grows (or shrinks) to it
-            extra = [e + o - (f - lo - hi) for e, o, f, (lo, hi)
-                     in zip(extra, wanted, full, pads, strict=True)]
-    # (C, M/g, k...) -> (M, C/g, k...), flipped: a convolution of the stride-dilated input
-    c, m = w.shape[0], w.shape[1]
-    kernel_t = w.reshape((group, c // group, m) + kernel).swapaxes(1, 2)
-    kernel_t = jnp.flip(kernel_t.reshape((group * m, c // group) + kernel), range(2, 2 + n))
-    padding = [(k - 1 - lo, k - 1 - hi + e)
-               for k, (lo, hi), e in zip(window, pads, extra, strict=True)]
-    y = lax.conv_general_dilated(x, kernel_t, [1] * n, padding, lhs_dilation=strides,
-                                 rhs_dilation=dilations, feature_group_count=group,
-                                 preferred_element_type=_accumulator(x)).astype(x.dtype)
-    return _channel_bias(y, b)
-
-
 def _pool_geometry(ctx: Ctx, x: Any) -> tuple[list[int], list[int], list[int],
                                               list[tuple[int, int]], list[int]]:
     """Kernel, strides, dilations, explicit pads and the extra end padding ceil_mode needs."""

@@ -32,8 +32,9 @@ from onnx import TensorProto
 
 from ..._model.builder_settings import COMM_GROUP
 from ..._model.graphcore.nn_ops import COLLECTIVE_OPERATOR
-from .ops import GRAPHCORE, Ctx, NotSupported, conv, np_dtype, partials
+from .ops import GRAPHCORE, Ctx, NotSupported, np_dtype, partials
 from .ops import op as _op
+from .ops_conv import conv
 from .placement import PROCESS, REPLICA
 from .steps import LOCAL_REPLICA
 

@@ -1,0 +1,204 @@
+"""Conv and ConvTranspose on the xla backend, with the lowering chosen per shape for XLA:CPU
+(:func:`lowering_for`). Measured against onnxruntime and against XLA's NCHW convolution (the
+lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core machine:
+
+* ``channels_last``: XLA's own convolution on channels-last operands, transposed at the op's
+  edges. XLA:CPU hands a channels-last convolution to its YNNPACK fusion; XLA's algebraic
+  simplifier cancels the transposes between convolutions of a chain (conv, Relu, conv runs
+  channels-last throughout, one transpose at each end), so no layout pass is needed. Outside a
+  loop it is about XLA's NCHW speed (XLA transposes an NCHW convolution itself there), but
+  inside a loop body (fori_loop over micro-batches) XLA leaves an NCHW convolution on its slow
+  path: 3x3 64->64 at 56x56 batch 8, 4 iterations, 9.0 s NCHW against 0.16 s channels-last
+  (0.20 s driven from the host). Its gradient inside a loop body is still XLA's slow path
+  (the same layer's gradient, 4 iterations: 30-44 s in a fori_loop, 0.4-0.5 s from the
+  host), so steps.py's LOOP_UNFRIENDLY_ON_CPU still holds for training. Dense convolutions
+  and ConvTranspose take it.
+* ``split``: a grouped convolution (at most :data:`SPLIT_MAX_GROUPS` groups, not depthwise) as
+  one channels-last dense convolution per group, concatenated. XLA:CPU's grouped convolution
+  is its slowest case, its gradient above all: 32 groups 128->128 3x3 at 28x28 batch 8,
+  forward about 1.3-2x, backward 12 s against well under 1 s; 8 groups of 256 at 14x14: 4-8x
+  forward, 40-60x backward.
+* ``shifted``: a convolution whose output channels each read one input channel (depthwise,
+  ``group == C``, with any channel multiplier; or one input channel, ``C == 1``) as one
+  multiply-add of strided slices per kernel tap, NCHW, accumulated in float32 for half inputs
+  (as XLA:CPU's convolution does: it upcasts half). Kernels up to :data:`SHIFTED_MAX_TAPS`
+  taps. Depthwise 3x3 at 28x28x128 batch 8: 10-20x XLA's grouped convolution forward (about
+  onnxruntime's time) and about 10x backward, differentiating the multiply-adds; MNIST's
+  1->32 k5 at batch 32: about 1.7x forward. With one input channel a differentiated
+  convolution is ``channels_last``, forward and backward (a :func:`jax.custom_vjp` whose
+  forward rule is XLA's): the multiply-adds' weight gradient, reduced over the batch, is 5-10x
+  slower than XLA's, and XLA's gradient after the multiply-adds' forward 2x.
+
+Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
+convolution but for 1x1, where it is even); space-to-depth for the strided 4x4 kernel (no
+gain); block-diagonal dense weights for grouped convolutions (slower than ``split``); and
+onnxruntime's MLAS through ``jax.pure_callback``: weights as a run input lose MLAS's
+pre-packing (2x on the ResNet 3x3), and the callback's copies and thread hand-off put it
+1.1-3x behind XLA. XLA:CPU's library flags in jaxlib 0.10.2 offer nothing more: YNNPACK takes
+channels-last convolutions by default, ``xla_cpu_experimental_xnn_fusion_type`` /
+``..._onednn_fusion_type`` = INDIVIDUAL_CONVOLUTION leave convolutions to XLA, and turning
+YNNPACK off (``xla_cpu_experimental_ynn_fusion_type`` empty) is slower.
+
+What is left against onnxruntime is XLA's GEMM and YNNPACK's convolution against MLAS's
+(dense 3x3 and 1x1 layers 1.5-2.5x behind, the 4->64 k4 s2 one 3-5x).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .ops import _HALF, Ctx, _accumulator, _channel_bias, _check_auto_pad, _geometry, op
+
+__all__ = ["SHIFTED_MAX_TAPS", "SPLIT_MAX_GROUPS", "conv", "conv_transpose", "lowering_for"]
+
+#: The most kernel taps (product of the kernel's sizes) the shifted lowering unrolls.
+SHIFTED_MAX_TAPS = 49
+#: The most groups a grouped convolution is split into (one dense convolution each); more
+#: take XLA's grouped convolution.
+SPLIT_MAX_GROUPS = 64
+
+
+def lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> str:
+    """The lowering a Conv of these shapes takes: ``"shifted"`` when each output channel reads
+    one input channel (depthwise, or one input channel) and the kernel has at most
+    :data:`SHIFTED_MAX_TAPS` taps; ``"split"`` for other grouped ones of at most
+    :data:`SPLIT_MAX_GROUPS` groups; else ``"channels_last"``."""
+    channels, per_group = x_shape[1], w_shape[1]
+    taps = int(np.prod(w_shape[2:], dtype=np.int64))
+    if per_group == 1 and channels == group and taps <= SHIFTED_MAX_TAPS and len(w_shape) > 2:
+        return "shifted"
+    if 1 < group <= SPLIT_MAX_GROUPS:
+        return "split"
+    return "channels_last"
+
+
+def _channels_last(x: Any, w: Any, strides: Sequence[int], padding: Sequence[tuple[int, int]],
+                   lhs_dilation: Sequence[int], rhs_dilation: Sequence[int], group: int,
+                   accumulator: Any) -> Any:
+    """XLA's convolution of NCHW ``x`` and OIHW ``w`` computed channels-last, NCHW out; a
+    grouped one (at most :data:`SPLIT_MAX_GROUPS` groups) as one dense convolution per group,
+    concatenated."""
+    n = x.ndim - 2
+    spec = lax.ConvDimensionNumbers(lhs_spec=(0, n + 1, *range(1, n + 1)),
+                                    rhs_spec=(n + 1, n, *range(n)),
+                                    out_spec=(0, n + 1, *range(1, n + 1)))
+    xs, ws = x.transpose(0, *range(2, n + 2), 1), w.transpose(*range(2, n + 2), 1, 0)
+
+    def one(xs: Any, ws: Any, groups: int) -> Any:
+        return lax.conv_general_dilated(xs, ws, strides, padding, lhs_dilation=lhs_dilation,
+                                        rhs_dilation=rhs_dilation, dimension_numbers=spec,
+                                        feature_group_count=groups,
+                                        preferred_element_type=accumulator)
+
+    if 1 < group <= SPLIT_MAX_GROUPS:
+        y = jnp.concatenate([one(a, b, 1) for a, b in zip(jnp.split(xs, group, axis=-1),
+                                                          jnp.split(ws, group, axis=-1),
+                                                          strict=True)], axis=-1)
+    else:
+        y = one(xs, ws, group)
+    return y.transpose(0, n + 1, *range(1, n + 1)).astype(x.dtype)
+
+
+def _shifted(x: Any, w: Any, strides: Sequence[int], pads: Sequence[tuple[int, int]],
+             dilations: Sequence[int]) -> Any:
+    """The convolution of NCHW ``x`` (C == group, or C == 1) with ``w`` (M, 1, k...) as one
+    multiply-add of strided slices per kernel tap; output channel o reads input channel
+    o // (M / C). Half inputs accumulate in float32, rounded once at the end."""
+    n, m, kernel = x.ndim - 2, w.shape[0], w.shape[2:]
+    dtype = jnp.float32 if np.dtype(x.dtype) in _HALF else x.dtype
+    xs, ws = x.astype(dtype), w.astype(dtype)
+    if 1 < x.shape[1] < m:  # a channel multiplier: each input channel feeds M / C outputs
+        xs = jnp.repeat(xs, m // x.shape[1], axis=1)
+    xs = jnp.pad(xs, [(0, 0), (0, 0), *pads])
+    size = xs.shape[2:]
+    out = [(s - (k - 1) * d - 1) // st + 1
+           for s, k, d, st in zip(size, kernel, dilations, strides, strict=True)]
+    acc = None
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        start = [t * d for t, d in zip(tap, dilations, strict=True)]
+        limit = [b + (o - 1) * st + 1 for b, o, st in zip(start, out, strides, strict=True)]
+        part = lax.slice(xs, (0, 0, *start), (xs.shape[0], xs.shape[1], *limit),
+                         (1, 1, *strides))
+        term = part * ws[(slice(None), 0, *tap)].reshape((1, m) + (1,) * n)
+        acc = term if acc is None else acc + term
+    return acc.astype(x.dtype)
+
+
+def _shifted_xla_backward(x: Any, w: Any, strides: Sequence[int],
+                          pads: Sequence[tuple[int, int]], dilations: Sequence[int]) -> Any:
+    """:func:`_shifted` (one input channel), but XLA's convolution, forward and backward, where
+    it is differentiated (its custom_vjp forward rule)."""
+    def xla(x: Any, w: Any) -> Any:
+        return _channels_last(x, w, strides, pads, [1] * len(strides), dilations, 1,
+                              jnp.float32 if np.dtype(x.dtype) in _HALF else None)
+
+    @jax.custom_vjp
+    def fn(x: Any, w: Any) -> Any:
+        return _shifted(x, w, strides, pads, dilations)
+
+    def forward(x: Any, w: Any) -> tuple[Any, Any]:
+        return jax.vjp(xla, x, w)
+
+    def backward(vjp: Any, dy: Any) -> tuple[Any, Any]:
+        return vjp(dy)
+
+    fn.defvjp(forward, backward)
+    return fn(x, w)
+
+
+@op("Conv", check=_check_auto_pad)
+def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
+    """ONNX Conv, lowered by :func:`lowering_for`."""
+    strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
+    group = ctx.attr("group", 1)
+    if lowering_for(x.shape, w.shape, group) == "shifted":
+        if x.shape[1] == 1:
+            y = _shifted_xla_backward(x, w, strides, pads, dilations)
+        else:
+            y = _shifted(x, w, strides, pads, dilations)
+    else:
+        y = _channels_last(x, w, strides, pads, [1] * len(strides), dilations, group,
+                           _accumulator(x))
+    return _channel_bias(y, b)
+
+
+@op("ConvTranspose", check=_check_auto_pad)
+def conv_transpose(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
+    """ONNX ConvTranspose: the convolution of the stride-dilated input with the flipped,
+    transposed kernel, channels-last."""
+    n, group = x.ndim - 2, ctx.attr("group", 1)
+    size, kernel = x.shape[2:], w.shape[2:]
+    strides = list(ctx.attr("strides") or [1] * n)
+    dilations = list(ctx.attr("dilations") or [1] * n)
+    extra = list(ctx.attr("output_padding") or [0] * n)
+    window = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
+    full = [s * (i - 1) + e + k for s, i, e, k in zip(strides, size, extra, window, strict=True)]
+    auto_pad, wanted = ctx.attr("auto_pad", "NOTSET"), ctx.attr("output_shape")
+    wanted = list(wanted)[-n:] if wanted else None
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER") and not ctx.attr("pads"):
+        wanted = wanted or [i * s for i, s in zip(size, strides, strict=True)]
+        totals = [f - o for f, o in zip(full, wanted, strict=True)]
+        upper = auto_pad == "SAME_UPPER"
+        pads = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
+    else:
+        flat = list(ctx.attr("pads") or [0] * 2 * n) if auto_pad == "NOTSET" else [0] * 2 * n
+        pads = list(zip(flat[:n], flat[n:], strict=True))
+        if wanted:  # output_shape with explicit pads: the end grows (or shrinks) to it
+            extra = [e + o - (f - lo - hi) for e, o, f, (lo, hi)
+                     in zip(extra, wanted, full, pads, strict=True)]
+    # (C, M/g, k...) -> (M, C/g, k...), flipped: a convolution of the stride-dilated input
+    c, m = w.shape[0], w.shape[1]
+    kernel_t = w.reshape((group, c // group, m) + kernel).swapaxes(1, 2)
+    kernel_t = jnp.flip(kernel_t.reshape((group * m, c // group) + kernel), range(2, 2 + n))
+    padding = [(k - 1 - lo, k - 1 - hi + e)
+               for k, (lo, hi), e in zip(window, pads, extra, strict=True)]
+    y = _channels_last(x, kernel_t, [1] * n, padding, strides, dilations, group,
+                       _accumulator(x))
+    return _channel_bias(y, b)

@@ -1,0 +1,196 @@
+"""Conv and ConvTranspose on the xla backend (popart_kit/_runtime/xla/ops_conv.py): every
+lowering it chooses between (channels-last XLA convolution; grouped ones split into one dense
+convolution per group; shifted multiply-adds for depthwise and one-input-channel
+convolutions, the latter with XLA's gradient) against
+onnxruntime forward on odd shapes, half precision with each partials type, and the gradients
+against jax.grad of lax.conv_general_dilated, also under vmap, checkpoint and a loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from jax import lax
+from onnx import helper
+
+from popart_kit._runtime.xla.lowering import lower
+from popart_kit._runtime.xla.ops_conv import lowering_for
+
+ort.set_default_logger_severity(3)
+RNG = np.random.default_rng(5)
+
+
+def conv_model(x_shape, w_shape, op="Conv", bias=False, dtype=np.float32, **attrs
+               ) -> onnx.ModelProto:
+    """One Conv (or ConvTranspose) of graph inputs x, w (and b)."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    names = ["x", "w"] + (["b"] if bias else [])
+    out_channels = w_shape[1] * attrs.get("group", 1) if op == "ConvTranspose" else w_shape[0]
+    shapes = [x_shape, w_shape] + ([[out_channels]] if bias else [])
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info(n, elem, list(s))
+         for n, s in zip(names, shapes, strict=True)],
+        [helper.make_tensor_value_info("y", elem, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def feeds_for(model: onnx.ModelProto, dtype=np.float32) -> dict[str, np.ndarray]:
+    return {i.name: RNG.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+            .astype(dtype) for i in model.graph.input}
+
+
+def run_kit(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    graph = lower(model)
+    return np.asarray(jax.jit(lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(["y"], feeds)[0]
+
+
+# (x shape, w shape, attributes, the lowering lowering_for must choose)
+CONVS = {
+    "dense strided dilated": ((2, 3, 11, 10), (5, 3, 3, 2),
+                              dict(strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1]),
+                              "channels_last"),
+    "grouped": ((2, 4, 9, 8), (6, 2, 3, 3), dict(group=2, strides=[2, 1], pads=[1, 1, 0, 2]),
+                "split"),
+    "many groups": ((1, 132, 4, 3), (66, 2, 1, 2), dict(group=66, pads=[0, 1, 0, 0]),
+                    "channels_last"),
+    "1x1": ((3, 8, 5, 4), (7, 8, 1, 1), {}, "channels_last"),
+    "depthwise": ((2, 6, 13, 9), (6, 1, 3, 3),
+                  dict(group=6, strides=[2, 1], dilations=[1, 2], pads=[2, 1, 0, 3]), "shifted"),
+    "depthwise multiplier": ((2, 3, 8, 7), (6, 1, 3, 2), dict(group=3, pads=[1, 1, 1, 0]),
+                             "shifted"),
+    "depthwise same upper": ((1, 4, 7, 8), (4, 1, 4, 3), dict(group=4, strides=[2, 2],
+                                                                auto_pad="SAME_UPPER"), "shifted"),
+    "one input channel": ((3, 1, 12, 11), (5, 1, 5, 5), dict(strides=[1, 2]), "shifted"),
+    "1-D dense": ((2, 3, 17), (4, 3, 4), dict(strides=[3], pads=[2, 1]), "channels_last"),
+    "1-D depthwise": ((2, 5, 16), (5, 1, 3), dict(group=5, dilations=[3], pads=[1, 2]),
+                      "shifted"),
+    "3-D dense": ((1, 2, 5, 6, 4), (3, 2, 2, 3, 2), dict(strides=[1, 2, 1], pads=[1] * 6),
+                  "channels_last"),
+    "3-D depthwise": ((2, 3, 5, 4, 6), (3, 1, 3, 2, 2), dict(group=3, pads=[1, 0, 1, 1, 1, 0]),
+                      "shifted"),
+    "big kernel depthwise": ((1, 2, 12, 12), (2, 1, 8, 8), dict(group=2), "split"),
+}
+
+
+@pytest.mark.parametrize("case", CONVS)
+def test_conv_matches_onnxruntime(case):
+    x_shape, w_shape, attrs, path = CONVS[case]
+    assert lowering_for(x_shape, w_shape, attrs.get("group", 1)) == path
+    model = conv_model(x_shape, w_shape, bias=True, **attrs)
+    feeds = feeds_for(model)
+    want = run_ort(model, feeds)
+    got = run_kit(model, feeds)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+CONV_TRANSPOSES = {
+    "strided output padding": ((2, 3, 5, 4), (3, 4, 3, 2),
+                               dict(strides=[2, 3], output_padding=[1, 2], pads=[1, 0, 0, 1])),
+    "grouped dilated": ((1, 4, 6, 5), (4, 3, 3, 3), dict(group=2, dilations=[2, 1],
+                                                           strides=[1, 2])),
+    "1-D": ((2, 2, 7), (2, 3, 4), dict(strides=[2], pads=[1, 2])),
+    "depthwise": ((1, 3, 4, 5), (3, 1, 2, 3), dict(group=3, strides=[2, 1])),
+}
+
+
+@pytest.mark.parametrize("case", CONV_TRANSPOSES)
+def test_conv_transpose_matches_onnxruntime(case):
+    x_shape, w_shape, attrs = CONV_TRANSPOSES[case]
+    model = conv_model(x_shape, w_shape, op="ConvTranspose", bias=True, **attrs)
+    feeds = feeds_for(model)
+    np.testing.assert_allclose(run_kit(model, feeds), run_ort(model, feeds), rtol=1e-5,
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize(("case", "kind"), [
+    ("dense strided dilated", None), ("dense strided dilated", "float"),
+    ("dense strided dilated", "half"), ("grouped", "float"), ("depthwise", "half"),
+    ("depthwise", None), ("one input channel", "float")])
+def test_half_convolutions_accumulate_in_float_and_round_once(case, kind):
+    """Half inputs (any partials type: XLA:CPU's convolution upcasts half itself) give the
+    float32 convolution of the same values rounded once to half."""
+    x_shape, w_shape, attrs, _ = CONVS[case]
+    if kind is not None:
+        attrs = dict(attrs, __partials_type=kind)
+    model = conv_model(x_shape, w_shape, dtype=np.float16, **attrs)
+    feeds = feeds_for(model, np.float16)
+    got = run_kit(model, feeds)
+    wide = conv_model(x_shape, w_shape, **{k: v for k, v in attrs.items()
+                                           if k != "__partials_type"})
+    want = run_ort(wide, {k: v.astype(np.float32) for k, v in feeds.items()})
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float16).astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+
+
+def reference(x, w, attrs):
+    """lax.conv_general_dilated of the ONNX attributes (explicit pads only)."""
+    n = x.ndim - 2
+    pads = attrs.get("pads", [0] * 2 * n)
+    return lax.conv_general_dilated(x, w, attrs.get("strides", [1] * n),
+                                    list(zip(pads[:n], pads[n:], strict=True)),
+                                    rhs_dilation=attrs.get("dilations", [1] * n),
+                                    feature_group_count=attrs.get("group", 1),
+                                    precision=lax.Precision.HIGHEST)
+
+
+GRAD_CASES = ["dense strided dilated", "grouped", "many groups", "depthwise",
+              "depthwise multiplier", "one input channel", "3-D depthwise"]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_conv_gradients_match_lax(case):
+    x_shape, w_shape, attrs, _ = CONVS[case]
+    model = conv_model(x_shape, w_shape, **attrs)
+    graph = lower(model)
+    feeds = {k: jnp.asarray(v) for k, v in feeds_for(model).items()}
+    probe = jnp.asarray(RNG.standard_normal(reference(feeds["x"], feeds["w"], attrs).shape),
+                        jnp.float32)
+
+    def kit(x, w):
+        return jnp.sum(graph.evaluate({}, {"x": x, "w": w}, ["y"])["y"] * probe)
+
+    def ref(x, w):
+        return jnp.sum(reference(x, w, attrs) * probe)
+
+    got = jax.jit(jax.grad(kit, argnums=(0, 1)))(feeds["x"], feeds["w"])
+    want = jax.jit(jax.grad(ref, argnums=(0, 1)))(feeds["x"], feeds["w"])
+    for g, w, name in zip(got, want, "xw", strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_custom_gradient_under_vmap_checkpoint_and_loops():
+    """The one-input-channel lowering's custom gradient inside the transformations the runtime
+    uses: vmap over replicas, jax.checkpoint (recomputation), a fori_loop over micro-batches."""
+    x_shape, w_shape, attrs, _ = CONVS["one input channel"]
+    graph = lower(conv_model(x_shape, w_shape, **attrs))
+    xs = jnp.asarray(RNG.standard_normal((2, *x_shape)), jnp.float32)
+    ws = jnp.asarray(RNG.standard_normal((2, *w_shape)), jnp.float32)
+
+    def loss(w, x, fn):
+        return jnp.sum(jnp.tanh(fn(x, w)))
+
+    def kit(x, w):
+        return graph.evaluate({}, {"x": x, "w": w}, ["y"])["y"]
+
+    def looped(w, x, fn):
+        return lax.fori_loop(0, 2, lambda i, acc: acc + jax.grad(loss)(w, x, fn),
+                             jnp.zeros_like(w))
+
+    def ref(x, w):
+        return reference(x, w, attrs)
+
+    got = jax.jit(jax.vmap(lambda w, x: looped(w, x, jax.checkpoint(kit))))(ws, xs)
+    want = jax.jit(jax.vmap(lambda w, x: looped(w, x, ref)))(ws, xs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
