@@ -271,12 +271,6 @@ CASES: list[tuple[str, dict[str, Any], str, str, dict[str, Any]]] = [
      {"popart_options": {"defaultBufferingDepth": 2, "rearrangeStreamsOnHost": True}},
      "popart_options.defaultBufferingDepth", "V43",
      {"popart_options": {"defaultBufferingDepth": 1, "rearrangeStreamsOnHost": True}}),
-    ("loss scaling period against accumulation",
-     {"accumulation": {"factor": 4},
-      "popart_options": {"automaticLossScalingSettings": {"enabled": True, "updatePeriod": 6}}},
-     "popart_options.automaticLossScalingSettings.updatePeriod", "V48",
-     {"accumulation": {"factor": 4},
-      "popart_options": {"automaticLossScalingSettings": {"enabled": True, "updatePeriod": 8}}}),
 ]
 
 

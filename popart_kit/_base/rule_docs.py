@@ -22,9 +22,10 @@ RULES: dict[str, tuple[str, str]] = {
            "ir.cpp: 'Only some ops have had their pipeline stage set'."),
     "V5": ("When pipelining, the ops of one pipeline stage sit on one IPU (virtual graph).",
            "ir.cpp: 'Ops ... have the same pipeline stage ..., but different virtual graph ids'."),
-    "V6": ("With accumulation, accumulation.factor is at least the pipeline depth.",
-           "pipeline.cpp: 'depth (gradient accumulation factor) must equal at least the number "
-           "of pipeline stages'."),
+    "V6": ("With accumulation, accumulation.factor is at least the pipeline depth (under "
+           "popart_kit.popart also when enableGradientAccumulation is set with factor 1).",
+           "transforms/pipeline.cpp:1389: 'depth (gradient accumulation factor) must equal "
+           "at least the number of pipeline stages'."),
     "V7": ("Without accumulation, batches_per_step is at least the pipeline depth.",
            "pipeline.cpp: 'depth (batchesPerStep) must equal at least the number of pipeline "
            "stages'."),
@@ -82,8 +83,6 @@ RULES: dict[str, tuple[str, str]] = {
             "accumulation.", "ir.cpp (deprecated option)."),
     "V46": ("An EveryN anchor's period is positive and divides batches_per_step.",
             "dataflow.cpp: 'Return period must be a factor of ...'."),
-    "V48": ("Automatic loss scaling's update period is a factor or multiple of the accumulation "
-            "factor.", "transforms/automaticlossscaling.cpp."),
     "V49": ("virtual_graph_mode auto finds a split point per IPU.",
             "PopART's AutoVirtualGraph transform (auto_virtual_graph.cpp: \"Couldn't find enough "
             "splits\")."),
@@ -91,6 +90,53 @@ RULES: dict[str, tuple[str, str]] = {
             "executionPhaseSettings.phases and its IPU equal to its phase modulo the stages.",
             "PopART's StreamingMemory transform (streamingmemory.cpp: \"Maximum phase is\", "
             "streamingmemoryopinserter.cpp: \"inconsistent execution phase\")."),
+    "V51": ("Reduction axes lie in [-rank, rank - 1] (ai.onnx Reduce* and ai.graphcore "
+            "ReduceMedian; ONNX's text says so too).",
+            "util.cpp:359 validateReduceAxis (from ReduceOp::setup, op/reduce.cpp:47): "
+            "'Axis ... is out of acceptable range'."),
+    "V52": ("Sum, Mean, Max and Min of opset 6 take inputs of one type and shape (ONNX's "
+            "version 6 does not broadcast).",
+            "op/variadic.cpp:35 VariadicOp::setup: 'Inputs to ... do not all the same type & "
+            "shape'."),
+    "V53": ("ai.graphcore Reverse dimensions are non-negative, below the input's rank and "
+            "given once.", "op/reverse.cpp:38, :45, :54 ReverseBaseOp::setup."),
+    "V54": ("Clip-11's min and max are constants (initializers or Constants). Only under "
+            "popart_kit.popart: the xla backend runs a computed min or max.",
+            "op/clip.cpp:155, :166: 'currently only supports constant min/max parameters'."),
+    "V55": ("MaxPool-10 dilations are 1. Only under popart_kit.popart: the xla backend runs "
+            "dilated pooling.", "op/maxpool.cpp:202: 'Dilations of value other than 1 are "
+            "currently not supported'."),
+    "V56": ("AveragePool's count_include_pad is 0. Only under popart_kit.popart: the xla "
+            "backend runs it.", "op/averagepool.cpp:46: '`count_include_pad` is not "
+            "supported'."),
+    "V57": ("excludePatterns names patterns PopART has. Only under popart_kit.popart (the "
+            "annotation changes nothing on the xla backend).",
+            "op.cpp:842: 'Invalid pattern name ... in Op::excludePatterns'."),
+    "V58": ("setSerializeMatMul's factor is non-zero and divides the dimension its mode "
+            "splits. Only under popart_kit.popart.",
+            "op/matmul.cpp:241, :258, :271, :283 MatMulOp::setup: 'Invalid serialisation "
+            "factor'."),
+    "V59": ("A gradient anchor names a tensor the loss depends on through differentiable ops "
+            "(not through Detach). Only under popart_kit.popart.",
+            "ir.cpp:2497 Ir::validateAnchors: 'Anchor tensor ... not in Ir Tensors'."),
+    "V60": ("Manual recomputation (recomputeOutputInBackwardPass) is not mixed with "
+            "autoRecomputation. Only under popart_kit.popart.",
+            "ir.cpp:1420: 'A mixture of auto and manual recomputation is not supported'."),
+    "V61": ("Some operation is needed by an anchor, the loss or a side effect. Only under "
+            "popart_kit.popart.", "transforms/prune.cpp:397: 'All operations in the main "
+            "graph were pruned, nothing to compute'."),
+    "V62": ("An op PopART has no Opx for (Cosh, ConvTranspose, and the gradients of Cos, "
+            "Sqrt, Exp, Expm1, Log1p, Reciprocal, Abs, Atan2, Sub's second input, MatMul and "
+            "Conv) is removed by its pattern: with runtime asserts off a disabled pattern "
+            "leaves it. Only under popart_kit.popart (the patterns change nothing here).",
+            "popx/irlowering.cpp:675 IrLowering::createOpx: 'This op should have been "
+            "removed by pattern ...'."),
+    "V64": ("When pipelining, every op of a subgraph that aiGraphcore.call calls has the "
+            "calling op's virtual graph id. Only under popart_kit.popart.",
+            "op/call.cpp:323-345 (the Call op's creator): 'subgraph ops must have a virtual "
+            "graph id matching the calling op'."),
+    "V63": ("resetHostWeights is refused for an inference session with constantWeights. Only "
+            "under popart_kit.popart.", "session.cpp:787 Session::resetHostWeights."),
     # -- configuration ----------------------------------------------------------------------------
     "K-unknown-key": ("A key or keyword a config section, optimizer or session does not have "
                       "(suggests the closest field or PopART option).",
@@ -328,9 +374,16 @@ RULES: dict[str, tuple[str, str]] = {
                       "step (irlowering.cpp initRandomSeed, GetRandomSeedOp); Dropout is the "
                       "identity in an InferenceSession (dropoutx.cpp); a seed attribute is "
                       "refused (randombase.cpp)."),
-    "K-xla-auto-loss-scaling": ("Automatic loss scaling, which the xla backend does not "
-                                "implement, is off.", "xla backend: PopART's "
-                                "automaticlossscaling.cpp has no equivalent here yet."),
+    "K-xla-auto-loss-scaling": ("Automatic loss scaling as PopART checks it: a training "
+                                "session whose optimizer's loss scaling is not const, "
+                                "pipelining only with gradient accumulation, fp16 gradients "
+                                "to track (or toTrackTensors, with "
+                                "GradientsOfUserSpecifiedTensors, naming tensors of the model), "
+                                "binEdgeLocation and thresholdUpperCountProportion in [0, 1], "
+                                "updatePeriod >= 1.", "transforms/automaticlossscaling.cpp "
+                                "(AutomaticLossScale::apply, getToTrackTensors, getLevels), "
+                                "transforms/preautomaticlossscaling.cpp, "
+                                "popx/op/lossscaleupdatex.cpp (the threshold)."),
     "K-xla-distributed": ("One xla process runs one instance.", "xla backend."),
     "K-xla-only": ("A feature only the xla backend has.", "xla backend."),
 }

@@ -394,7 +394,7 @@ def _struct_field(cfg: SessionFields, name: str, field: str) -> Any:
 
 @_rule
 def _option_rules(cfg: SessionFields) -> Iterator[Problem]:
-    """PopART's checks on options set through popart_options (V11-V17, V28-V30, V38-V44, V48)."""
+    """PopART's checks on options set through popart_options (V11-V17, V28-V30, V38-V44)."""
     o = lambda name: _opt(cfg, name)  # noqa: E731
     vgm, ipus, acc = cfg.virtual_graph_mode, cfg.ipus_per_replica, cfg.accumulation.factor
     host_copy, main_loops = o("useHostCopyOps"), o("enableExplicitMainLoops")
@@ -505,15 +505,6 @@ def _option_rules(cfg: SessionFields) -> Iterator[Problem]:
         for tensor, d in (o(name) or {}).items():
             yield from _buffering_depth(_option_loc(name, tensor), f"{name}[{short(tensor)}]", d,
                                         rearranged)
-
-    if _struct_field(cfg, "automaticLossScalingSettings", "enabled") and acc > 1:
-        period = _struct_field(cfg, "automaticLossScalingSettings", "updatePeriod")
-        if isinstance(period, int) and period > 0 and period % acc and acc % period:
-            yield _error(_option_loc("automaticLossScalingSettings", "updatePeriod"),
-                         f"automatic loss scaling updatePeriod={period} is neither a factor nor "
-                         f"a multiple of accumulation.factor={acc}.",
-                         f"use a factor or multiple of {acc}.", "V48",
-                         updatePeriod=period, accumulation__factor=acc)
 
     conv_partials = (o("matmulOptions") or {}).get("partialsType")
     if conv_partials and cfg.precision.partials_type and (

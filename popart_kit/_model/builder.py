@@ -462,7 +462,9 @@ class _AiGraphcore:
             out_types = [helper.make_tensor_type_proto(dtype, shape)
                          for dtype, shape in entry.infer(in_types, attrs)][:count]
         except (ValueError, IndexError, KeyError) as err:
-            raise BuilderError(f"aiGraphcore.{method} on {inputs}: {err}") from None
+            refusal = BuilderError(str(err))  # PopART's shape inference text, as its Builder
+            refusal.add_note(f"(aiGraphcore.{method} on {inputs})")
+            raise refusal from None
         empty = [k for k, v in attrs.items() if isinstance(v, list) and not v]
         ids = builder._add_node(entry.op_type, inputs, count,
                                 {k: v for k, v in attrs.items() if k not in empty},

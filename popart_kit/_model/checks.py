@@ -132,6 +132,7 @@ def _graph_problems(model: onnx.ModelProto) -> list[Problem]:
 
     out += _attribute_problems(model)
     out += _input_shape_problems(graph, set(inits))
+    out += _operator_problems(model)
     return out
 
 
@@ -158,6 +159,150 @@ def _input_shape_problems(graph: onnx.GraphProto, initializers: set[str]) -> lis
                            "popart.InputShapeInfo (PopART compiles static shapes).",
                            "K-static-shape", popart=text))
     return out
+
+
+#: Reductions whose axes PopART checks (willow/src/util.cpp validateReduceAxis, called from
+#: ReduceOp::setup, op/reduce.cpp:47): ai.onnx's, and ai.graphcore's ReduceMedian.
+_REDUCE_OPS = frozenset({"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax",
+                         "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum",
+                         "ReduceSumSquare", "ReduceMedian"})
+#: Variadic operators whose version 6 takes inputs of one type and shape (no broadcasting).
+_VARIADIC_OPS = frozenset({"Sum", "Mean", "Max", "Min"})
+_GRAPHCORE = "ai.graphcore"
+
+
+def _is_onnx(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _checked_here(node: onnx.NodeProto) -> bool:
+    return (node.op_type in _REDUCE_OPS and (_is_onnx(node) or node.op_type == "ReduceMedian")
+            or node.op_type in _VARIADIC_OPS and _is_onnx(node)
+            or node.op_type == "Reverse" and node.domain == _GRAPHCORE)
+
+
+def _known_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every main-graph tensor's type as ONNX's lenient shape inference finds it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - the checker reports what inference cannot read
+        inferred = model
+    graph = inferred.graph
+    types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
+    for init in graph.initializer:
+        types[init.name] = onnx.helper.make_tensor_type_proto(init.data_type, init.dims)
+    return types
+
+
+def _rank(types: dict[str, onnx.TypeProto], name: str) -> int | None:
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return None
+    return len(t.tensor_type.shape.dim)
+
+
+def _static_ints(model: onnx.ModelProto, name: str) -> list[int] | None:
+    """The values of ``name`` when an initializer or a Constant node gives them."""
+    for init in model.graph.initializer:
+        if init.name == name:
+            return [int(v) for v in onnx.numpy_helper.to_array(init).reshape(-1)]
+    for node in model.graph.node:
+        if node.op_type == "Constant" and name in node.output:
+            for a in node.attribute:
+                if a.name == "value":
+                    return [int(v) for v in onnx.numpy_helper.to_array(a.t).reshape(-1)]
+                if a.name in ("value_int", "value_ints"):
+                    return list(onnx.helper.get_attribute_value(a)) if a.name.endswith("s") \
+                        else [int(a.i)]
+    return None
+
+
+def _reduce_axes(model: onnx.ModelProto, node: onnx.NodeProto) -> list[int] | None:
+    attrs = {a.name: a for a in node.attribute}
+    if "axes" in attrs:
+        return list(attrs["axes"].ints)
+    if len(node.input) > 1 and node.input[1]:  # opset 18 (ReduceSum 13): axes as an input
+        return _static_ints(model, node.input[1])
+    return None
+
+
+def _op_str(node: onnx.NodeProto, index: int, opid: str) -> str:
+    """What PopART's Op::str() says of a node: its id and operator (op.cpp:1102); here the
+    node's position stands for PopART's op id."""
+    return f"{index} ({opid})"
+
+
+def _operator_problems(model: onnx.ModelProto) -> list[Problem]:
+    """Attribute values PopART refuses when it sets an operator up (its message, verbatim):
+    reduction axes out of ``[-rank, rank - 1]`` (util.cpp:359, as ONNX's text says too),
+    opset-6 Sum/Mean/Max/Min inputs of different types or shapes (op/variadic.cpp:35, as
+    ONNX's Mean-6 says), and ai.graphcore Reverse dimensions that are negative, not below the
+    rank or repeated (op/reverse.cpp:38-55)."""
+    opsets = _opsets(model)
+    nodes = [(i, n) for i, n in enumerate(model.graph.node) if _checked_here(n)
+             and (n.op_type not in _VARIADIC_OPS or _version(n, opsets) == 6)]
+    if not nodes:
+        return []
+    types, out = _known_types(model), []
+
+    def refuse(node: onnx.NodeProto, i: int, text: str, fix: str, rule: str) -> None:
+        out.append(Problem(("model", "nodes", _name(node, i)), f"{_label(node, i)}: {text}",
+                           fix, rule, popart=text))
+
+    for i, node in nodes:
+        rank = _rank(types, node.input[0]) if node.input else None
+        if node.op_type in _REDUCE_OPS:
+            axes = _reduce_axes(model, node)
+            if rank is None or not axes:
+                continue
+            opid = (f"{_GRAPHCORE}.ReduceMedian:1" if node.domain == _GRAPHCORE else
+                    f"ai.onnx.{node.op_type}:{_version(node, opsets)}")
+            if rank == 0:
+                refuse(node, i, f"Reduce input rank must be greater than 0, invalid Reduce "
+                                f"{_op_str(node, i, opid)}.",
+                       "reduce a tensor of rank 1 or more, or give no axes.", "V51")
+                continue
+            bad = next((a for a in axes if not -rank <= a <= rank - 1), None)
+            if bad is not None:
+                refuse(node, i, f"Axis {bad} is out of acceptable range [{-rank}, {rank - 1}]",
+                       f"give axes in [{-rank}, {rank - 1}] (the input has rank {rank}).",
+                       "V51")
+        elif node.op_type in _VARIADIC_OPS:
+            if _version(node, opsets) != 6 or len(node.input) < 2:
+                continue
+            first = types.get(node.input[0])
+            if first is None or any(_rank(types, n) is None for n in node.input):
+                continue
+            if any(types.get(n) != first for n in node.input[1:]):
+                refuse(node, i, f"Inputs to ai.onnx.{node.op_type}:6 do not all the same type "
+                                f"& shape, with opid.version = 6",
+                       f"give {node.op_type} inputs of one shape (broadcasting needs opset 8 "
+                       f"or later).", "V52")
+        else:  # ai.graphcore Reverse
+            dims = next((list(a.ints) for a in node.attribute if a.name == "dimensions"), [])
+            if rank is None:
+                continue
+            what = _op_str(node, i, f"{_GRAPHCORE}.Reverse:1")
+            seen: set[int] = set()
+            for dim in dims:
+                text = (f"ReverseOp '{what}' invalid dimension '{dim}'. Only positive "
+                        f"dimensions are supported" if dim < 0 else
+                        f"ReverseOp '{what}' invalid dimension '{dim}' for input tensor of "
+                        f"rank {rank}" if dim >= rank else
+                        f"Dimension {dim} appears multiple times in the list of dimensions "
+                        f"of ReverseOp '{what}'" if dim in seen else "")
+                if text:
+                    refuse(node, i, text, f"give each dimension once, in [0, {rank - 1}].",
+                           "V53")
+                    break
+                seen.add(dim)
+    return out
+
+
+def _version(node: onnx.NodeProto, opsets: dict[str, int]) -> int:
+    """The version of the node's operator the model's opset import selects (0 if unknown)."""
+    schema = _schema(node, opsets)
+    return schema.since_version if schema is not None else 0
 
 
 def _cycle(graph: onnx.GraphProto, defined: set[str]) -> list[str]:

@@ -41,11 +41,13 @@ from ._core import (
     _contiguous,
     popart_exception,
     popart_text,
+    poplar_exception,
 )
 from ._devices import DeviceInfo
 from ._ir_json import ir_json
 from ._optimizers import Optimizer
 from ._options import SessionOptions
+from ._refusals import check_program
 
 GRADIENT = RESERVED_PREFIXES["Gradient"]
 #: Operators that make a PopART session need a random seed (Ir::getRequiresRandomSeed).
@@ -177,6 +179,19 @@ class _Session:
             self.model = inputShapeInfo.shaped(self.model)
         self.dataFlow, self.deviceInfo, self.options = dataFlow, deviceInfo, opts
         self.config = _config(mode, opts, dataFlow, deviceInfo, self.model)
+        check_program(self.model, training=mode == "training", options=opts,
+                      patterns=getattr(self, "patterns", None), loss=loss,
+                      anchors=list(dataFlow.returnTypes()))  # PopART's refusals: V54-V64
+        if opts.automaticLossScalingSettings.enabled:  # automaticlossscaling.cpp, apply()
+            if mode != "training":
+                raise popart_exception("[AutomaticLossScale transform] Only compatible when "
+                                       "doing training")
+            if getattr(optimizer, "_scaled", False):  # adam.cpp, setFactorsFromOptions
+                raise popart_exception("scaledOptimizerState and automaticLossScaling are not "
+                                       "compatible.")
+            if optimizer is not None and optimizer.values["lossScaling"][1]:
+                raise popart_exception("[AutomaticLossScale transform] The optimizer must "
+                                       "have non-const loss scaling")
         anchors = {name: art.kit for name, art in dataFlow.returnTypes().items()}
         try:
             # PopART's refusals only: the kit's stricter rules warn; and a run whose loss or
@@ -423,6 +438,10 @@ class _Session:
     def resetHostWeights(self, modelProtoOrFilename: Any,
                          ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False
                          ) -> None:
+        """PopART's Session::resetHostWeights (session.cpp:787): refused for an inference
+        session with constantWeights (its weights are compiled in)."""
+        if isinstance(self, InferenceSession) and self.options.constantWeights:
+            raise popart_exception("Cannot call resetHostWeights when constantWeights is set")
         current = self._weights()
         for init in _load(modelProtoOrFilename).graph.initializer:
             if init.name in current:
@@ -471,6 +490,11 @@ class _Session:
         self._absent("loadExecutable")
 
     def getSummaryReport(self, resetProfile: bool = True) -> str:
+        """No Poplar report exists here. On a CPU device PopART has none either: Poplar
+        refuses to profile it (poplar_exception, in Poplar's words)."""
+        if self.deviceInfo.type.name == "Cpu":
+            raise poplar_exception("getSummaryReport: Profiling is disabled for current "
+                                   "device type.")
         return self._absent("getSummaryReport")
 
     def getReport(self) -> Any:

@@ -1,0 +1,227 @@
+"""What PopART refuses, the drop-in refuses before anything runs, with PopART's exception and
+message (rules V51-V64 of docs/rules.md); what only PopART refuses stays runnable for a
+pk.SessionConfig user."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import popart_kit as pk
+import popart_kit.popart as popart
+from popart_kit._model.checks import model_problems
+
+GRAD = popart.reservedGradientPrefix()
+
+
+def _refusal(builder, anchors, loss=None, patterns=None, options=None):
+    """The popart_exception text a session of ``builder``'s model raises (None if none)."""
+    flow = popart.DataFlow(1, {a: popart.AnchorReturnType("All") for a in anchors})
+    device = popart.DeviceManager().createCpuDevice()
+    try:
+        if loss is None:
+            popart.InferenceSession(builder.getModelProto(), flow, device, patterns=patterns,
+                                    userOptions=options)
+        else:
+            popart.TrainingSession(builder.getModelProto(), flow, loss, popart.ConstSGD(0.1),
+                                   device, patterns=patterns, userOptions=options)
+    except popart.popart_exception as err:
+        return err.args[0]
+    return None
+
+
+@pytest.mark.parametrize(("op", "axis"), [("reducesum", -3), ("reducemean", 2),
+                                          ("reducel2", -3)])
+def test_reduce_axes_out_of_range_are_refused_in_popart_s_words(op, axis):
+    """util.cpp validateReduceAxis: axes lie in [-rank, rank - 1]; a pk user meets the same
+    rule (ONNX's too) as V51."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+    y = getattr(b.aiOnnx, op)([x], axes=[axis])
+    assert _refusal(b, [y]) == f"Axis {axis} is out of acceptable range [-2, 1]"
+    problems = model_problems(onnx.load_from_string(b.getModelProto()))
+    assert [p.rule for p in problems] == ["V51"]
+
+
+def test_opset_6_mean_takes_one_shape_and_opset_8_broadcasts():
+    """variadic.cpp: version 6 of Mean does not broadcast (ONNX's Mean-6 neither)."""
+    def model(opset):
+        b = popart.Builder(opsets={"ai.onnx": opset, "ai.graphcore": 1})
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+        y = b.addInputTensor(popart.TensorInfo("FLOAT", [3]))
+        return b, b.aiOnnx.mean([x, y])
+
+    b, out = model(7)
+    assert _refusal(b, [out]) == ("Inputs to ai.onnx.Mean:6 do not all the same type & shape, "
+                                  "with opid.version = 6")
+    assert not model_problems(onnx.load_from_string(model(8)[0].getModelProto()))
+
+
+@pytest.mark.parametrize(("dims", "text"), [
+    ([2, -2], "invalid dimension '-2'. Only positive dimensions are supported"),
+    ([1, 1], "Dimension 1 appears multiple times in the list of dimensions of ReverseOp"),
+    ([3], "invalid dimension '3' for input tensor of rank 3")])
+def test_graphcore_reverse_dimensions_are_checked_as_popart_does(dims, text):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 1, 3]))
+    assert text in _refusal(b, [b.aiGraphcore.reverse([x], dims)])
+
+
+def test_a_gradient_op_left_by_a_disabled_pattern_is_refused():
+    """irlowering.cpp createOpx: CosGrad has no Opx; with its (mandatory) pattern disabled and
+    runtime asserts off PopART refuses it. Default patterns, or no gradient, run."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    y = b.aiOnnx.cos([b.aiOnnx.add([x, w])])
+    loss = b.aiGraphcore.identityloss([y])
+    off = popart.Patterns([]).enableRuntimeAsserts(False)
+    assert _refusal(b, [y], loss, off) == (
+        "Could not create opx for 'ai.graphcore.CosGrad:1'. This op should have been removed "
+        "by pattern CosGradOp")
+    # runtime asserts on: the mandatory patterns are checked first
+    assert "must be enabled" in _refusal(b, [y], loss, popart.Patterns([]))
+    assert _refusal(b, [y], loss, popart.Patterns([]).enableRuntimeAsserts(False)
+                    .enablePattern("CosGradOp", True)) is None
+    assert _refusal(b, [y], None, off) is None  # inference: no gradient op
+
+
+def test_clip_takes_constant_bounds_in_popart_and_any_bounds_in_pk():
+    """clip.cpp: Clip-11's min and max must have data; the xla backend runs computed ones."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    lo = b.addInputTensor(popart.TensorInfo("FLOAT", []), "lo")
+    hi = b.aiOnnxOpset11.constant(np.array(1.0, np.float32), False)
+    y = b.aiOnnxOpset11.clip([x, lo, hi])
+    assert _refusal(b, [y]) == ("Op (ai.onnx.Clip:11), inputs=[x] currently only supports "
+                                "constant min/max parameters. Input 'min' (lo) has no data.")
+    cfg = pk.SessionConfig(mode="inference", device={"target": "cpu"})
+    with pk.InferenceSession(b.getModelProto(), cfg, anchors={y: "All"}, backend="xla") as session:
+        got = session.run({x: np.array([-2.0, 0.0, 2.0], np.float32),
+                           lo: np.array(-1.0, np.float32)})
+    np.testing.assert_array_equal(got[y].reshape(-1), [-1.0, 0.0, 1.0])
+
+
+def test_pooling_attributes_poplibs_lacks_are_refused():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 1, 8, 8]))
+    (m,) = b.aiOnnxOpset10.maxpool([x], num_outputs=1, kernel_shape=[2, 2], dilations=[2, 2])
+    assert _refusal(b, [m]) == ("MaxPool has dilations [2 2]. Dilations of value other than 1 "
+                                "are currently not supported.")
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 1, 8, 8]))
+    a = b.aiOnnx.averagepool([x], kernel_shape=[3, 3], count_include_pad=1, pads=[1, 1, 1, 1])
+    assert _refusal(b, [a]) == "`count_include_pad` is not supported"
+
+
+def test_annotations_are_checked_as_popart_reads_them():
+    """excludePatterns names (op.cpp) and setSerializeMatMul factors (matmul.cpp)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]))
+    y = b.aiOnnx.identity([x])
+    b.excludePatterns(y, ["NoSuchPattern"])
+    assert _refusal(b, [y]) == "Invalid pattern name 'NoSuchPattern' in Op::excludePatterns"
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]))
+    w = b.addInitializedInputTensor(np.ones([4, 4], np.float32))
+    y = b.aiOnnx.matmul([x, w])
+    b.setSerializeMatMul({y}, "output_channels", 3)
+    assert _refusal(b, [y]).startswith("Invalid serialisation factor 3 for output channels "
+                                       "dim 4. output_channels dim should be a multiple")
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]))
+    y = b.aiOnnx.matmul([x, b.addInitializedInputTensor(np.ones([4, 4], np.float32))])
+    b.setSerializeMatMul({y}, "output_channels", 2)
+    assert _refusal(b, [y]) is None
+
+
+def test_what_prunes_to_nothing_or_anchors_a_missing_gradient_is_refused():
+    """prune.cpp (nothing an anchor needs) and ir.cpp validateAnchors (a gradient that is
+    never computed: its tensor reaches the loss only through Detach)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiOnnx.sqrt([x])
+    assert _refusal(b, [x]) == "All operations in the main graph were pruned, nothing to compute"
+    assert _refusal(b, [x, y]) is None
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([b.aiGraphcore.detach([x]), w])], 1.0)
+    assert _refusal(b, [loss, GRAD + x], loss).startswith(
+        f"Anchor tensor `{GRAD + x}' not in Ir Tensors.")
+
+
+@pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")  # K-stale-weights
+def test_session_option_combinations_popart_refuses():
+    """ir.cpp (auto and manual recomputation mixed); pipeline.cpp (accumulation enabled with a
+    factor below the pipeline depth, factor 1 included)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    w = b.addInitializedInputTensor(np.ones(2, np.float32))
+    r = b.aiOnnx.relu([b.aiOnnx.mul([x, w])])
+    b.recomputeOutputInBackwardPass(r)
+    loss = b.aiGraphcore.l1loss([r], 1.0)
+    opts = popart.SessionOptions()
+    opts.autoRecomputation = popart.RecomputationType.Standard
+    assert _refusal(b, [loss], loss, options=opts) == (
+        "A mixture of auto and manual recomputation is not supported")
+
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    h = x
+    for ipu in range(2):
+        with b.virtualGraph(ipu), b.pipelineStage(ipu):
+            h = b.aiOnnx.mul([h, b.addInitializedInputTensor(np.ones(2, np.float32))])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        loss = b.aiGraphcore.l1loss([h], 1.0)
+    opts = popart.SessionOptions()
+    opts.enablePipelining = opts.enableGradientAccumulation = True
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    assert _refusal(b, [loss], loss, options=opts) == (
+        "For pipelining, depth (gradient accumulation factor) must equal at least the number "
+        "of pipeline stages (3)")
+
+
+def test_called_subgraph_ops_sit_on_the_calling_op_s_ipu_when_pipelining():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    sub = b.createSubgraphBuilder()
+    a = sub.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    sub.addOutputTensor(sub.aiOnnx.neg([a]))
+    with b.virtualGraph(0), b.pipelineStage(0):
+        y = b.aiGraphcore.call([x], 1, sub)[0]
+    with b.virtualGraph(1), b.pipelineStage(1):
+        z = b.aiOnnx.relu([y])
+    opts = popart.SessionOptions()
+    opts.enablePipelining = True
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    assert "does not have a virtual graph id. When pipelining, subgraph ops must have a " \
+           "virtual graph id set." in _refusal(b, [z], options=opts)
+
+
+def test_reset_host_weights_is_refused_with_constant_weights(tmp_path):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiOnnx.mul([x, b.addInitializedInputTensor(np.ones(2, np.float32))])
+    opts = popart.SessionOptions()
+    opts.constantWeights = True
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice(),
+                                      userOptions=opts)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b.getModelProto())
+    with pytest.raises(popart.popart_exception,
+                       match="Cannot call resetHostWeights when constantWeights is set"):
+        session.resetHostWeights(str(path))
+
+
+def test_a_cpu_device_has_no_summary_report_as_in_poplar():
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiOnnx.relu([x])
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice())
+    with pytest.raises(popart.poplar_exception) as err:
+        session.getSummaryReport()
+    assert err.value.args[0].endswith("Profiling is disabled for current device type.")
