@@ -13,7 +13,8 @@ Each instance's output is forwarded line by line with an ``[instance i]`` prefix
 instance fails, the others get ``fault_timeout`` seconds to stop on their own (the xla backend's
 instances notice a stopped peer at their next collective, or by its missing heartbeat), then
 are stopped; the launcher returns the first failing instance's status and names it. Nothing it
-started is left running. The module does not import JAX.
+started is left running, nor any shared-memory segment of the instances' gradient exchange.
+The module does not import JAX.
 """
 
 from __future__ import annotations
@@ -185,6 +186,15 @@ def topology(num_instances: int, num_replicas: int, ipus_per_replica: int = 1,
                       *(f"{r}\n|{line}|" for r in rows[:-1]), rows[-1], f" {line} "])
 
 
+def _remove_segments(secret: str, coordinator: str) -> None:
+    """Unlink the shared-memory segments of the instances' gradient exchange that they left
+    (killed before every instance had mapped one; see :mod:`popart_kit._runtime.xla.
+    host_exchange`), once none of them runs."""
+    from ._runtime.xla.host_exchange import remove_segments, segment_prefix
+
+    remove_segments(segment_prefix(secret, coordinator))
+
+
 def _forward(stream: IO[bytes], prefix: str, out: IO[str] | None, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         if out is None:
@@ -338,6 +348,7 @@ def launch(program: str | Sequence[str], *, num_instances: int, num_replicas: in
         for reader in readers:
             reader.join(timeout=5)
         joined.cleanup()
+        _remove_segments(secret, address)
     if failed is None:
         return 0
     index, status = failed

@@ -266,3 +266,162 @@ def test_with_popdist_env_reports_conflicts_naming_both_values():
         pk.SessionConfig(mode="inference", replication={"local_factor": 4}).with_popdist_env(env)
     taken = pk.SessionConfig(mode="inference").with_popdist_env(env)  # defaults: env fills them
     assert taken.replication.replica_ids == range(2, 4) and taken.ipus_per_replica == 2
+
+
+# -- the instances' shared-memory exchange on one host (no JAX) ---------------------------------
+
+EXCHANGE_PEER = """
+import sys
+import numpy as np
+from popart_kit._runtime.xla import host_exchange as hx
+processes, me, prefix, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+exchange = hx.LocalJob(processes, me, prefix, patience=20).exchange("w", [5, 300], np.float32)
+rng = np.random.default_rng(me)
+with open(out, "wb") as f:
+    for step in range(40):
+        bucket = step % 2
+        values = rng.normal(size=exchange.sizes[bucket]).astype(np.float32)
+        np.save(f, exchange.reduce(bucket, values))
+        np.save(f, values)
+"""
+
+
+def exchange_prefix() -> str:
+    from popart_kit._runtime.xla import host_exchange
+
+    return host_exchange.segment_prefix(os.urandom(16), "127.0.0.1:1")
+
+
+def segments(prefix: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_exchange_sums_every_bucket_in_instance_order_and_unlinks_its_segment(tmp_path):
+    """Three processes sum two buckets 20 times each: every process gets the same bits, the
+    sum in instance order of what each gave; the segment's name is gone once all mapped it."""
+    prefix = exchange_prefix()
+    peers = [subprocess.Popen([sys.executable, "-c", EXCHANGE_PEER, "3", str(i), prefix,
+                               str(tmp_path / f"{i}.npy")]) for i in range(3)]
+    try:
+        assert [p.wait(timeout=60) for p in peers] == [0, 0, 0]
+    finally:
+        for p in peers:
+            p.kill()
+    found = []
+    for i in range(3):
+        with open(tmp_path / f"{i}.npy", "rb") as stream:
+            found.append([(np.load(stream), np.load(stream)) for _ in range(40)])
+    for step in range(40):
+        expected = found[0][step][1] + found[1][step][1] + found[2][step][1]  # instance order
+        for mine in found:
+            assert mine[step][0].dtype == np.float32
+            assert np.array_equal(mine[step][0], expected)
+    assert segments(prefix) == []
+
+
+def test_exchange_segment_is_private_and_what_it_holds_is_checked(tmp_path):
+    from popart_kit._runtime.xla import host_exchange as hx
+
+    prefix = exchange_prefix()
+    maker = hx.LocalJob(2, 0, prefix, patience=0.3).exchange("w", [8], np.float32)
+    maker._attach()
+    try:
+        info = os.stat(maker.path)
+        assert info.st_mode & 0o777 == 0o600 and info.st_uid == os.getuid()
+        # another layout under the same name (it cannot happen by name; by hand it can)
+        other = hx.LocalJob(2, 1, prefix, patience=0.3).exchange("w", [8], np.float32)
+        other.sizes, other.digest = [8], b"x" * 32
+        with pytest.raises(hx.ExchangeFailed, match="holds another exchange"):
+            other._attach()
+        os.chmod(maker.path, 0o644)
+        opener = hx.LocalJob(2, 1, prefix, patience=0.3).exchange("w", [8], np.float32)
+        with pytest.raises(hx.ExchangeFailed, match=r"others may access it \(mode 644"):
+            opener._attach()
+        os.chmod(maker.path, 0o600)
+        os.truncate(maker.path, 4096)
+        with pytest.raises(hx.ExchangeFailed, match="its size is 4096 bytes, not the"):
+            opener._attach()
+        with pytest.raises(hx.ExchangeFailed, match=r"bucket 0 got float64\[8\], expected "
+                                                    r"float32\[8\]"):
+            opener.reduce(0, np.zeros(8))
+    finally:
+        maker.unlink()
+    assert segments(prefix) == []
+
+
+def test_exchange_without_its_peer_fails_in_bounded_time_naming_it():
+    from popart_kit._runtime.xla import host_exchange as hx
+    from popart_kit._runtime.xla.distributed import peer_failure
+
+    prefix = exchange_prefix()
+    lone = hx.LocalJob(2, 0, prefix, patience=0.3).exchange("w", [4], np.float32)
+    start = time.monotonic()
+    with pytest.raises(hx.ExchangeFailed, match="instance 1 did not reach the exchange of "
+                                                "bucket 0 within 0.3 s") as err:
+        lone.reduce(0, np.ones(4, np.float32))
+    assert time.monotonic() - start < 5
+    assert "instance 0 of 2: a collective" in str(peer_failure(err.value, 2, 0))
+    hx.LocalJob(2, 0, prefix, 0.3).cleanup()  # nothing of its own: a no-op
+    lone.unlink()
+    with pytest.raises(hx.ExchangeFailed, match="instance 0 did not make the segment"):
+        hx.LocalJob(2, 1, prefix, patience=0.3).exchange("w", [4], np.float32).reduce(
+            0, np.ones(4, np.float32))
+    assert segments(prefix) == []
+
+
+def test_launch_removes_the_segments_its_instances_left(tmp_path):
+    """Instances killed before they unlinked their segment: the launcher removes it."""
+    from popart_kit._runtime.xla import host_exchange as hx
+
+    secret = "launch-test-" + os.urandom(8).hex()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    left = os.path.join("/dev/shm", hx.segment_prefix(secret, address) + "-abc")
+    code = f"import os; os.close(os.open({left!r}, os.O_CREAT | os.O_WRONLY, 0o600)); os._exit(9)"
+    status, _, err = run_launch([sys.executable, "-c", code], num_instances=2, num_replicas=2,
+                                coordinator=address,
+                                env={**os.environ, "POPART_KIT_JOB_SECRET": secret})
+    assert status == 9, err
+    assert not os.path.exists(left)
+
+
+def test_gradients_leave_the_program_in_buckets_in_one_order_and_come_back_whole():
+    """Inside a program over the (process, replica) mesh: whole weights per bucket, the last
+    weights first, each bucket's exchange after the one before, and every gradient back in
+    its shape (one instance: the sum is what it gave)."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from popart_kit._runtime.xla import host_exchange as hx
+
+    job = hx.LocalJob(1, 0, exchange_prefix(), patience=5)
+    calls = []
+    original = hx.Exchange.reduce
+
+    def reduce(self, bucket, values):
+        calls.append((bucket, values.size, values.dtype.name))
+        return original(self, bucket, values)
+
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(16, 8)).astype(np.float32),  # 512 bytes
+             "b": rng.normal(size=(40,)).astype(np.float32),
+             "c": rng.normal(size=(3, 50)).astype(np.float32),
+             "d": rng.normal(size=(4,)).astype(np.float16)}
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("process", "replica"))
+    program = jax.jit(jax.shard_map(
+        lambda g: hx.sum_over_instances(g, ("process", "replica"), "process", bucket_bytes=500),
+        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    hx.start(job)
+    try:
+        hx.Exchange.reduce = reduce
+        out = jax.device_get(program(grads))
+    finally:
+        hx.Exchange.reduce = original
+        hx.start(None)
+        job.cleanup()
+    # reversed names: d (float16, alone), c (600 bytes), b + a (160 < 500, then a)
+    assert calls == [(0, 4, "float16"), (0, 150, "float32"), (1, 40 + 128, "float32")]
+    for name, value in grads.items():
+        assert out[name].dtype == value.dtype and np.array_equal(out[name], value)

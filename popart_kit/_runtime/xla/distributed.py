@@ -20,6 +20,10 @@ closes without a goodbye (killed, crashed) or it sends nothing for ``POPART_KIT_
 seconds (hung, stopped, host or network down), before JAX's own timeouts, which abort the
 process, are reached.
 
+Where every instance runs on this host (a loopback coordinator) and the job has a secret, the
+instances sum their gradients through shared memory (:mod:`.host_exchange`) instead of gloo's
+sockets; ``POPART_KIT_INSTANCE_EXCHANGE=gloo`` keeps them on gloo, as across hosts.
+
 :func:`world` reads the environment without JAX; :func:`initialize` starts the runtime.
 """
 
@@ -59,6 +63,7 @@ from ..._config.popdist import (
     TOTAL,
 )
 from ...errors import ConfigError, PopartKitError
+from . import host_exchange
 
 __all__ = ["World", "world", "initialize", "rendezvous", "watching", "InstanceFailed"]
 
@@ -69,6 +74,8 @@ _PATIENCE = 0.5  # seconds: instance 0's longest wait for one greeting or answer
 # its checks that the instances that came still wait
 _GRACE = 1.0  # seconds a failed collective waits for the watchdog to name the instance
 _JAX_SLACK = 30  # seconds JAX's own timeouts (which abort) wait beyond the kit's
+#: "gloo" keeps the instances' gradient sum on jax.distributed's collectives on one host too
+EXCHANGE_VARIABLE = "POPART_KIT_INSTANCE_EXCHANGE"
 
 
 class InstanceFailed(PopartKitError):
@@ -209,8 +216,14 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
             open(os.path.join(marks, str(here.process_id)), "w").close()
     bind = None
     if here.coordinator is not None:  # under Open MPI alone JAX finds (and waits for) the others
+        local = _local_exchange(here, env)
+        if local is not None and here.process_id == 0:  # before the others may look for them
+            host_exchange.remove_segments(local.prefix)  # a crashed launch's, same name
         _Watchdog(here, rendezvous(here)).start()
         bind = here.coordinator if _local(here.coordinator) else None
+        host_exchange.start(local)
+        if local is not None:
+            atexit.register(host_exchange.cleanup)
     slack = 2 * here.timeout + _JAX_SLACK  # JAX aborts at its timeouts: the kit speaks first
     try:
         jax.distributed.initialize(
@@ -225,6 +238,26 @@ def initialize(replication: Any, env: Mapping[str, str] | None = None) -> World:
             f"launcher names any that stopped), that the coordinator port is free, or raise "
             f"{START_TIMEOUT_VARIABLE}.") from None
     return here
+
+
+def _local_exchange(here: World, env: Mapping[str, str]) -> host_exchange.LocalJob | None:
+    """The shared-memory exchange of the instances' gradients (:mod:`.host_exchange`) when
+    every instance runs on this host - the coordinator is a loopback address, so none can run
+    elsewhere - the job has a secret (the segments' names derive from it) and the host can,
+    unless ``POPART_KIT_INSTANCE_EXCHANGE=gloo``; else None (gloo, as across hosts)."""
+    choice = env.get(EXCHANGE_VARIABLE, "auto")
+    if choice not in ("auto", "gloo"):
+        raise ConfigError(f"{EXCHANGE_VARIABLE}={choice[:20]!r} is not 'auto' (shared memory "
+                          f"between the instances of one host where possible) or 'gloo' "
+                          f"(jax.distributed's collectives always). Fix: set one of them, or "
+                          f"unset it.", rule=_RULE)
+    if choice == "gloo" or not here.secret or not _local(here.coordinator or "") \
+            or host_exchange.available():
+        return None
+    return host_exchange.LocalJob(
+        here.processes, here.process_id,
+        host_exchange.segment_prefix(here.secret, here.coordinator or ""),
+        patience=here.start_timeout + 2 * here.timeout + _JAX_SLACK)
 
 
 class _Peer(NamedTuple):
@@ -412,14 +445,16 @@ def _connect(host: str, port: int, deadline: float) -> socket.socket | None:
 
 
 def _line(conn: socket.socket, timeout: float) -> str:
-    """One short text line from ``conn`` (what came before end of stream, if it ended)."""
+    """One short text line from ``conn`` (what came before end of stream, if it ended); what
+    follows the line stays unread (instance 0's first heartbeat may follow its answer)."""
     conn.settimeout(timeout)
     data = b""
     while not data.endswith(b"\n") and len(data) < 200:
-        chunk = conn.recv(200 - len(data))
-        if not chunk:
+        ahead = conn.recv(200 - len(data), socket.MSG_PEEK)
+        if not ahead:
             break
-        data += chunk
+        end = ahead.find(b"\n")
+        data += conn.recv(end + 1 if end >= 0 else len(ahead))
     return data.decode("ascii", "replace").strip()
 
 
@@ -537,6 +572,8 @@ def _exit(message: str, status: int) -> None:
     """Write ``message`` to stderr and end the process now, past JAX's shutdown (which waits
     for the other instances and aborts when they do not come)."""
     with contextlib.suppress(Exception):
+        host_exchange.cleanup()  # os._exit runs no atexit
+    with contextlib.suppress(Exception):
         sys.stdout.flush()
         if message:
             sys.stderr.write(message + "\n")
@@ -548,7 +585,8 @@ def peer_failure(err: BaseException, processes: int, process_id: int) -> Instanc
     """A collective that failed because another instance went away, as the kit's error (None
     for any other error)."""
     text = str(err)
-    if not any(w in text.lower() for w in ("gloo", "coordination", "connection closed")):
+    if not any(w in text.lower() for w in ("gloo", "coordination", "connection closed",
+                                           "popart-kit exchange")):
         return None
     return InstanceFailed(
         f"instance {process_id} of {processes}: a collective with the other instances failed, "
