@@ -172,3 +172,18 @@ def test_a_stage_is_built_from_its_spec_and_the_model_alone():
     assert jax.tree.structure(here) == jax.tree.structure(there)
     for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_of_one_chunk_stays_one_program_whatever_its_operators():
+    """Only a step that loops over chunks is driven from the host on CPU (XLA:CPU's slow
+    convolutions inside a loop body); a step of one chunk has no loop."""
+    from onnx import helper
+
+    from popart_kit._runtime.xla.steps import loops_on_host
+
+    conv = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], "g", [], []))
+    assert loops_on_host(conv, "cpu", False, trips=4)
+    assert not loops_on_host(conv, "cpu", False, trips=1)
+    assert not loops_on_host(conv, "gpu", False, trips=4)
+    assert not loops_on_host(conv, "cpu", True, trips=4)

@@ -193,6 +193,21 @@ def _require_mapping(title: str, kind: str, value: Any) -> None:
 # The factors are asked for on every check of every run: keep the few combinations computed.
 _leading_factors = functools.lru_cache(maxsize=256)(leading_factors)
 
+_LAYOUTS_KEPT = 64  # input layouts a factory remembers as accepted (then it starts again)
+
+
+def _layout_key(arrays: Mapping[str, Any], *flags: bool) -> tuple | None:
+    """Everything :meth:`StepIOFactory.check_inputs` looks at, as a hashable key: each
+    name with its array's shape, dtype and strides (which say whether it is C-contiguous);
+    None where a value is not exactly a numpy array: such values are checked in full every
+    time."""
+    key: list[Any] = list(flags)
+    for name, array in arrays.items():
+        if type(array) is not np.ndarray:
+            return None
+        key.append((name, array.shape, array.dtype, array.strides))
+    return tuple(key)
+
 
 class StepIOFactory:
     """Host arrays of a session's inputs and anchors, shaped for one run of this instance."""
@@ -215,6 +230,7 @@ class StepIOFactory:
             raise DataTypeError("StepIOFactory: " + "; ".join(wrong) + ".",
                                 rule="K-stepio-type")
         self.config = config
+        self._accepted: set[tuple] = set()  # input layouts check_inputs accepted
         # inputs used as indices: {name: size indexed}; random inputs stay below it
         self.index_sizes: dict[str, int] = {}
         problems: list[Problem] = []
@@ -368,8 +384,17 @@ class StepIOFactory:
     def check_inputs(self, arrays: Mapping[str, Any], *, exact_dtype: bool = False,
                      require_all: bool = True) -> None:
         """Refuse (one ValueError listing every problem) inputs PopART would misread or reject:
-        missing or unknown names, wrong shape (which axis, and each factor), dtype, layout."""
-        _require_mapping("StepIOFactory.check_inputs", "inputs", arrays)
+        missing or unknown names, wrong shape (which axis, and each factor), dtype, layout.
+
+        What is checked depends only on the arrays' layout - names, shapes, dtypes,
+        contiguity - so a layout accepted once is remembered and a later run with the same
+        layout costs a lookup; a layout that was refused is never remembered, so it is refused
+        again, with the same error, every time."""
+        if type(arrays) is not dict:
+            _require_mapping("StepIOFactory.check_inputs", "inputs", arrays)
+        key = _layout_key(arrays, exact_dtype, require_all)
+        if key is not None and key in self._accepted:
+            return
         problems = _name_problems("inputs", arrays, self.inputs if require_all else {
             n: s for n, s in self.inputs.items() if n in arrays})
         for name, array in arrays.items():
@@ -378,6 +403,10 @@ class StepIOFactory:
                 problems += _array_problems("inputs", name, array, spec,
                                             self._input_factors(spec), exact_dtype=exact_dtype)
         raise_errors("StepIOFactory.check_inputs", problems)
+        if key is not None:
+            if len(self._accepted) >= _LAYOUTS_KEPT:
+                self._accepted.clear()
+            self._accepted.add(key)
 
     def check_anchors(self, arrays: Mapping[str, Any]) -> None:
         """The same for anchor arrays, which must also be writable."""

@@ -158,14 +158,21 @@ class _Session:
         self.close()
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One step: canonical host arrays in (checked first), anchors out."""
+        """One step: canonical host arrays in (checked first), anchors out (fresh arrays of
+        their own every run)."""
+        return self._run(inputs)
+
+    def _run(self, inputs: Mapping[str, np.ndarray], copy: bool = True) -> dict[str, np.ndarray]:
+        """``run``; ``copy=False`` (xla backend) may give read-only views of the run's device
+        buffers, for a caller that copies them into arrays of its own (PopART's PyStepIO)."""
         if not isinstance(inputs, Mapping):
             raise DataTypeError(f"run: inputs must map input names to numpy arrays, got "
                                 f"{type(inputs).__name__}.", rule="K-stepio-type")
-        if self._indices is not None:
-            self._backend.io.check_inputs(inputs)
+        backend = self._backend
+        if self._indices is not None:  # the layout first (once per layout), then the values
+            backend.io.check_inputs(inputs)
             self._indices.check(inputs)
-        return self._backend.run(inputs)
+        return backend.run(inputs) if copy else backend.run(inputs, copy=False)
 
     def weights(self) -> dict[str, np.ndarray]:
         return self._backend.weights()

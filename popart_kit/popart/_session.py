@@ -143,17 +143,23 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
 def _flat_into(name: str, target: Any, values: np.ndarray, kind: str, who: str) -> None:
     """Copy ``values`` into the user's ``target`` in place, refusing (as PopART does) a target
     whose memory cannot take them as one flat block: a copy would be written and lost."""
+    _check_into(name, target, values.size, values.dtype, kind, who)
+    target.reshape(-1)[...] = values.reshape(-1)
+
+
+def _check_into(name: str, target: Any, size: int, dtype: Any, kind: str, who: str) -> None:
+    """Refuse a ``target`` that cannot take ``size`` values of ``dtype`` in place (see
+    :func:`_flat_into`)."""
     _contiguous(kind, name, target, who)
     if not target.flags.writeable:
         raise popart_exception(f"Unable to write the {kind} array for tensor '{name}': it is "
                                f"read-only. Fix: pass a writeable array.")
-    if target.size != values.size:
+    if target.size != size:
         raise popart_exception(f"Unexpected number of {kind} elements for Tensor {name}. "
-                               f"Expected {values.size}, but received {target.size}.")
-    if target.dtype != values.dtype:
+                               f"Expected {size}, but received {target.size}.")
+    if target.dtype != dtype:
         raise popart_exception(f"Type discrepancy for tensor {name}. User provided : "
-                               f"{target.dtype}, and expected : {values.dtype}")
-    target.reshape(-1)[...] = values.reshape(-1)
+                               f"{target.dtype}, and expected : {dtype}")
 
 
 class _Session:
@@ -311,10 +317,12 @@ class _Session:
             inputs = self._pull(stepio)
         elif isinstance(stepio, PyStepIO):
             inputs = self._arrays(stepio)
+            self._check_outputs(stepio)  # before the run: a refused buffer changes nothing
         else:
             raise TypeError(f"run({stepio!r}): give a popart.PyStepIO or PyStepIOCallback.")
         try:
-            out = self._kit.run(inputs)
+            # the anchors as views of the run's results, copied once, into the user's arrays
+            out = self._kit._run(inputs, copy=False)
         except ValueError as err:
             raise popart_exception(popart_text(err)) from None
         if isinstance(stepio, PyStepIOCallback):
@@ -325,6 +333,26 @@ class _Session:
                     raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
                 _flat_into(name, stepio.outputs[name], values, "output", "PyStepIO")
 
+    def _host_layout(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Each input's and anchor's host shape and element count, worked out on the first run
+        (they are the session's, fixed)."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            io = self._kit.io
+            layout = self._layout = tuple(
+                {name: (tuple(shape(name)), int(np.prod(shape(name)))) for name in names}
+                for names, shape in ((io.inputs, io.input_shape), (io.anchors, io.anchor_shape)))
+        return layout
+
+    def _check_outputs(self, stepio: PyStepIO) -> None:
+        """PyStepIO's output arrays, checked as the run will write them (see _flat_into)."""
+        io, sizes = self._kit.io, self._host_layout()[1]
+        for name, (spec, _) in io.anchors.items():
+            if name not in stepio.outputs:
+                raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
+            _check_into(name, stepio.outputs[name], sizes[name][1], spec.dtype, "output",
+                        "PyStepIO")
+
     def _arrays(self, stepio: PyStepIO) -> dict[str, np.ndarray]:
         io, inputs = self._kit.io, {}
         if stepio.runtime_asserts:
@@ -334,11 +362,12 @@ class _Session:
                         f"The tensor '{name}' has been provided as one of the inputs to the "
                         f"stepIO, but it is not registered as one of the inputs to the model. "
                         f"Inputs of the model: {sorted(io.inputs)}.")
+        layout = self._host_layout()[0]
         for name, spec in io.inputs.items():
             if name not in stepio.inputs:
                 raise popart_exception(f"No tensor {name} provided in PyStepIO's inputs")
-            array, shape = stepio.inputs[name], io.input_shape(name)
-            if array.size != int(np.prod(shape)):
+            array, (shape, size) = stepio.inputs[name], layout[name]
+            if array.size != size:
                 raise popart_exception(
                     f"Unexpected number of input elements for Tensor {name}. Expected "
                     f"{int(np.prod(shape))}, but received {array.size}.\nhost shape "

@@ -340,7 +340,7 @@ def test_opening_a_session_leaves_the_program_s_numpy_random_state_alone():
     assert done.stdout.strip() == str(np.random.randint(0, 1000, 4).tolist())
 
 
-def test_automatic_loss_scaling_settings_are_taken_and_its_use_refused_with_the_reason():
+def test_automatic_loss_scaling_settings_are_taken_and_checked_as_popart_does():
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT16", [2, 4]))
     w = b.addInitializedInputTensor(np.ones((4, 4), np.float16))
@@ -352,5 +352,8 @@ def test_automatic_loss_scaling_settings_are_taken_and_its_use_refused_with_the_
                        loss=loss, optimizer=optimizer, deviceInfo=_cpu(), userOptions=opts)
     popart.TrainingSession(**_train_opts)   # settings alone, ALS off: runs
     opts.automaticLossScalingSettings.enabled = True
-    with pytest.raises(popart.popart_exception, match="K-xla-auto-loss-scaling"):
-        popart.TrainingSession(**_train_opts)
+    with pytest.raises(popart.popart_exception, match="toTrackTensors has been set"):
+        popart.TrainingSession(**_train_opts)   # not with the default tracking method
+    opts.automaticLossScalingSettings.gradientTensorTrackingMethod = \
+        popart.GradientTensorTrackingMethod.GradientsOfUserSpecifiedTensors
+    popart.TrainingSession(**_train_opts)   # tests/test_auto_loss_scaling.py runs it

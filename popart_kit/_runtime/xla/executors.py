@@ -2,9 +2,10 @@
 
 Every way of running a session's step implements :class:`Executor`: ``prepare`` compiles for a
 state, and ``run`` takes the run's canonical host inputs, the committed :class:`~.state.
-SessionState` and the hyperparameters, and returns a :class:`StepResult` - the anchors as host
-arrays, the new state (training) and the finiteness flags (training) - without changing
-anything: the backend checks and commits. The backend wraps every executor's run in the same
+SessionState` and the hyperparameters, and returns a :class:`StepResult` - the anchors (device
+arrays the backend copies to the host once, or host arrays), the new state (training) and the
+finiteness flags (training, on the host) - without changing anything: the backend checks and
+commits. The backend wraps every executor's run in the same
 lock, profiling and peer-watching.
 
 * :class:`LoopedExecutor`: the whole step one compiled program, its chunks looped inside it.
@@ -37,13 +38,27 @@ __all__ = ["Executor", "StepResult", "StepFunctions", "LoopedExecutor", "HostDri
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a run produced: ``anchors`` (host arrays holding each anchor's values in order;
-    the backend gives them their host shapes), the ``state`` after the run's updates (None for
-    inference) and ``flags`` (training: :func:`~.state.finite_flags`; None when unchecked)."""
+    """What a run produced: ``anchors`` (each anchor's values in order: host arrays, or this
+    process's device arrays, which the backend brings to the host once, in their host
+    shapes), the ``state`` after the run's updates (None for inference) and ``flags``
+    (training: :func:`~.state.finite_flags` on the host; None when unchecked)."""
 
-    anchors: dict[str, np.ndarray]
+    anchors: dict[str, Any]
     state: SessionState | None = None
     flags: np.ndarray | None = None
+
+
+def _results(placement: Placement, buffers: Any, flags: Any) -> tuple[Any, Any]:
+    """A run's anchor buffers, left where they are for the backend to bring to the host (the
+    only copy they get), and its flags on the host (None stays None). Over several processes,
+    this process's parts on the host; off the CPU, every transfer starts before the first is
+    waited for."""
+    if placement.distributed:
+        return placement.fetch((buffers, flags))
+    if placement.platform != "cpu":
+        for leaf in jax.tree.leaves((buffers, flags)):
+            leaf.copy_to_host_async()
+    return buffers, None if flags is None else np.asarray(flags)
 
 
 class Executor(Protocol):
@@ -151,9 +166,10 @@ class LoopedExecutor:
             hyper: Any) -> StepResult:
         device = self.placement.put(inputs, self.step.stream_axes)
         if not self.step.training:
-            return StepResult(self.placement.fetch(self.programs[0](state.weights, device)))
+            return StepResult(_results(self.placement, self.programs[0](state.weights, device),
+                                       None)[0])
         new, buffers, flags = self.programs[0](state, hyper, device)
-        anchors, flags = self.placement.fetch((buffers, flags))
+        anchors, flags = _results(self.placement, buffers, flags)
         return StepResult(anchors, new, flags)
 
     def close(self) -> None:
@@ -173,7 +189,7 @@ class HostDrivenExecutor:
     def _init(self, state: SessionState) -> Any:
         work = self.step.work()
         if self.step.training:
-            work["grads"] = {n: jnp.zeros_like(state.weights[n]) for n in self._trained}
+            work["grads"] = {n: jnp.zeros(g.shape, g.dtype) for n, g in self._grads.items()}
         return work
 
     def _chunk(self, state: SessionState, work: Any, hyper: Any, inputs: Any, update: Any,
@@ -194,8 +210,8 @@ class HostDrivenExecutor:
         f = self.step
         inputs = self.placement.abstract(f.inputs, f.stream_axes)
         index = jax.ShapeDtypeStruct((), jnp.int32)
-        if f.training:  # the weights a chunk's gradient has
-            self._trained = list(jax.eval_shape(
+        if f.training:  # what a chunk's gradient has (its weights', and what else it sums)
+            self._grads = dict(jax.eval_shape(
                 lambda s, w, h, x: f.chunk(s, w, h, x, jnp.int32(0), jnp.int32(0))[0],
                 state, f.work(), hyper, inputs))
         init = jax.jit(self._init).lower(state).compile()
@@ -223,7 +239,7 @@ class HostDrivenExecutor:
             if f.training:
                 state, work = rest[0](state, work, hyper)
         flags = rest[-1](state, work) if f.flags is not None else None
-        anchors, flags = self.placement.fetch((work["buffers"], flags))
+        anchors, flags = _results(self.placement, work["buffers"], flags)
         return StepResult(anchors, state if f.training else None, flags)
 
     def close(self) -> None:

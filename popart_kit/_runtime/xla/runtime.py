@@ -103,7 +103,8 @@ class XlaBackend:
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
         self._anchor_shapes = {name: self.io.anchor_shape(name) for name in self.anchors}
         self._inputs = self._program_inputs()
-        self.on_host = loops_on_host(model, self.placement.platform, self.placement.several)
+        self.on_host = loops_on_host(model, self.placement.platform, self.placement.several,
+                                     self._trips())
         self._lock = threading.RLock()
         self.state = SessionState(self.placement.put_everywhere(
             {k: jnp.asarray(v) for k, v in self.graph.weights.items()}),
@@ -114,6 +115,10 @@ class XlaBackend:
         self.unpipelined_because = ""
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
+
+    def _trips(self) -> int:
+        """How many chunks a step evaluates."""
+        return self.micro_batches // self.chunk
 
     def _setup_training(self) -> None:
         """What a training backend checks and sets up before its executor is chosen."""
@@ -367,18 +372,32 @@ class XlaBackend:
 
     # -- a run ----------------------------------------------------------------------------------
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One step by the executor, every executor's wrapped alike: the inputs checked, the
-        session locked, the run profiled and its peers watched; its result checked, then
-        committed in one assignment (an exception anywhere leaves the session as it was)."""
+    def run(self, inputs: Mapping[str, np.ndarray], *,
+            copy: bool = True) -> dict[str, np.ndarray]:
+        """One step by the executor, every executor's wrapped alike: the inputs checked (in
+        full once per input layout, see ``StepIOFactory.check_inputs``), the session locked,
+        the run profiled and its peers watched where that is asked for; its result checked,
+        then committed in one assignment (an exception anywhere leaves the session as it
+        was).
+
+        The anchors are fresh writable arrays, each the one copy of the run's device buffer
+        (two runs never share one); ``copy=False`` gives read-only views of the buffers where
+        the device's memory is the host's (CPU), for a caller that copies them on itself
+        (PopART's PyStepIO writes into the user's arrays)."""
         self.io.check_inputs(inputs)
         with self._lock:
-            self.prepare()
-            with self._peers(), profiling.run(self):
-                result = self.executor.run(self._host_inputs(inputs), self.state, self.hyper)
+            if not self.prepared:
+                self.prepare()
+            host = self._host_inputs(inputs)
+            if self.placement.processes == 1 and not self.config.profiling.auto_report_dir:
+                result = self.executor.run(host, self.state, self.hyper)  # nothing to wrap
+            else:
+                with self._peers(), profiling.run(self):  # timed and watched to its end
+                    result = self.executor.run(host, self.state, self.hyper)
+                    jax.block_until_ready((result.anchors, result.state))
             if result.flags is not None:
                 check_finite(result.flags, self.trained, self.shape.batches_per_step)
-            anchors = {name: np.asarray(result.anchors[name]).reshape(shape)
+            anchors = {name: _host(result.anchors[name], copy).reshape(shape)
                        for name, shape in self._anchor_shapes.items()}
             if result.state is not None:
                 self.state = result.state  # the commit, after everything that can fail
@@ -438,6 +457,14 @@ class XlaBackend:
                 tensor.CopyFrom(onnx.helper.make_tensor(tensor.name, tensor.data_type,
                                                         value.shape, value.ravel().tolist()))
         return proto
+
+
+def _host(array: Any, copy: bool) -> np.ndarray:
+    """An anchor on the host: host arrays as they are; a device array copied once (``copy``)
+    or viewed where it can be (read-only)."""
+    if isinstance(array, np.ndarray):
+        return array
+    return np.array(array) if copy else np.asarray(array)
 
 
 _WARNED: set[str] = set()

@@ -40,9 +40,11 @@ def chunk_bytes(platform: str) -> int:
     return CHUNK_BYTES.get(platform, ACCELERATOR_CHUNK_BYTES)
 
 
-def loops_on_host(model: onnx.ModelProto, platform: str, several_devices: bool) -> bool:
-    """Whether a step's chunks are driven from the host (see the module docs)."""
-    if platform != "cpu" or several_devices:
+def loops_on_host(model: onnx.ModelProto, platform: str, several_devices: bool,
+                  trips: int) -> bool:
+    """Whether a step's chunks are driven from the host (see the module docs); ``trips``: how
+    many chunks the step evaluates (a step of one has no loop, so it stays one program)."""
+    if platform != "cpu" or several_devices or trips == 1:
         return False
     return any(node.op_type in LOOP_UNFRIENDLY_ON_CPU for node in model.graph.node)
 

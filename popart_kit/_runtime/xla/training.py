@@ -1,21 +1,28 @@
 """The xla backend for training: PopART's accumulation, replication and update semantics.
 
 One ``run`` is bps weight updates. Each update accumulates, in one gradient accumulator, the
-gradient of the loss summed over chunks of its A micro-batches on every local replica (memory
-flat in A), and makes the update with :func:`~.state.apply_update`: reduced once over the
-replicas of every instance - a sum, divided by A x the global replica count for Mean, as
-PopART's Post strategy does - then the optimizer. Hyperparameters live on the device and change
-only through ``set_optimizer``, so changing them never recompiles.
+gradient of the loss summed over chunks of its A micro-batches on every local replica, and
+makes the update with :func:`~.state.apply_update`: reduced once over the replicas of every
+instance - a sum, divided by A x the global replica count for Mean, as PopART's Post strategy
+does - then the optimizer. Hyperparameters live on the device and change only through
+``set_optimizer``, so changing them never recompiles.
 
 A run is atomic: the executor computes a new :class:`~.state.SessionState` beside the
 committed one, which it replaces only once the run has succeeded (anchors fetched, every update
 finite, :func:`~.state.check_finite`); an exception or KeyboardInterrupt at any point leaves
 the session as it was.
+
+Memory is flat in A: beyond an unaccumulated step (A=1), an update of several chunks holds one
+chunk's activations and one weight's gradient beside the accumulator (the accumulator itself
+sits where the new weights are written; XLA:CPU's matrix products cannot add into their
+output). Both are set by the chunk, not by A: a smaller ``micro_batches_per_chunk`` trades
+the speed of larger matrix products for memory (``benchmarks/runtime_bench.py``, accumulation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -24,13 +31,16 @@ import numpy as np
 import onnx
 
 from ..._base.names import GRADIENT_PREFIX, RESTORED_PREFIX
-from ..._base.problems import Problem, raise_errors
+from ..._base.problems import Problem, raise_errors, warn
 from ..._base.shapes import AnchorReturnType
 from ..._model.builder_subgraphs import node_reads
-from .executors import StepFunctions
+from . import loss_scaling as als
+from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
+from .host_exchange import min_over_instances
 from .lowering import recomputation
+from .ops_random import draws_random
 from .runtime import XlaBackend
-from .state import Reduction, SessionState, apply_update, finite_flags
+from .state import Reduction, SessionState, apply_update, finite_flags, reduce_gradients
 
 __all__ = ["XlaTrainingBackend"]
 
@@ -43,7 +53,13 @@ class XlaTrainingBackend(XlaBackend):
     PopART's gradient prefix + a tensor (``"Gradient___w"``) returns the gradient of the
     micro-batch's (scaled) loss with respect to that tensor - an input, a weight, an activation
     or the loss - per micro-batch and replica, before any reduction, as PopART does. Dropout
-    drops at random (see :mod:`.ops_random`), its gradient masked by the forward's mask."""
+    drops at random (see :mod:`.ops_random`), its gradient masked by the forward's mask.
+
+    PopART's automatic loss scaling (``automaticLossScalingSettings.enabled``) is
+    :mod:`.loss_scaling`: the factor lives in the :class:`~.state.SessionState`, and
+    ``"finalLossScale"`` (the loss scale each micro-batch used), ``"lossScaling_<DTYPE>"`` and,
+    accumulating, ``"Accum___autoLossScaleStats"`` can be anchored; a pipelined session runs
+    its stages one after the other."""
 
     training = True
 
@@ -52,6 +68,8 @@ class XlaTrainingBackend(XlaBackend):
                  micro_batches_per_chunk: int | None = None, check_finite: bool = True,
                  pipeline_workers: str = "threads") -> None:
         self.loss, self.optimizer, self.check_finite = loss, optimizer, bool(check_finite)
+        self.als = als.Settings.of(config.popart_options)
+        self.tracking: als.Tracking | None = None
         super().__init__(model, config, anchors, micro_batches_per_chunk, pipeline_workers)
         if config.pipeline.enabled and config.accumulation.factor == 1 and self.pipeline is None:
             raise_errors("TrainingSession", [Problem(
@@ -68,22 +86,21 @@ class XlaTrainingBackend(XlaBackend):
         hyperparameters on the devices."""
         loss = self.loss
         problems = self._gradient_problems()
-        als = self.config.popart_options.get("automaticLossScalingSettings") or {}
-        if isinstance(als, dict) and als.get("enabled"):
-            problems.append(Problem(
-                ("popart_options", "automaticLossScalingSettings", "enabled"),
-                "automatic loss scaling is on, which the xla backend does not implement "
-                "(PopART moves the loss scale after each update from a histogram of the "
-                "gradients); training without it would give other numbers.",
-                "turn it off and give the optimizer a fixed loss scaling, or run on the Poplar "
-                "SDK.", "K-xla-auto-loss-scaling"))
         if loss not in self.graph.tensors:
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
         raise_errors("TrainingSession", problems)
-        shape = self._shapes(self.io.inputs, [loss])[loss].shape
+        found = self._shapes(self.io.inputs, [loss])[loss]
+        shape, self.loss_dtype = found.shape, np.dtype(found.dtype)
         self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)]
-        problems = []
+        if self.als is not None:
+            self._setup_loss_scaling()
+        problems = [Problem(("anchors", a), f"anchor {a!r}: the loss scale is "
+                            f"{als.onnx_name(self.loss_dtype)} (the loss's type).",
+                            f"anchor 'lossScaling_{als.onnx_name(self.loss_dtype)}'.",
+                            "K-anchor-unknown")
+                    for a in self.anchors if a.startswith(als.LOSS_SCALING)
+                    and a != als.LOSS_SCALING + als.onnx_name(self.loss_dtype)]
         if int(np.prod(shape, dtype=np.int64)) > 1:  # PopART: one element, of any rank
             problems.append(Problem(
                 ("loss",), f"loss {loss!r} has shape {list(shape)}, "
@@ -101,11 +118,138 @@ class XlaTrainingBackend(XlaBackend):
         trained = {k: self.state.weights[k] for k in self.trained}
         self.state = SessionState(self.state.weights,
                                   self.placement.put_everywhere(self.optimizer.init(trained)),
-                                  self.state.updates)
+                                  self.state.updates,
+                                  () if self.als is None else self.placement.put_everywhere(
+                                      np.ones((), np.float32)))
         self.hyper = self._device_hyper(self.optimizer)
         self.reduction = Reduction.of(self.config, self.placement.axes
                                       if self.placement.several else (),
                                       flat=self.placement.distributed)
+
+    # -- automatic loss scaling (see loss_scaling) -------------------------------------------
+
+    def _setup_loss_scaling(self) -> None:
+        """PopART's refusals of automatic loss scaling, the first in PopART's order, and the
+        gradients it tracks."""
+        settings, pipelined = self.als, self.config.pipeline.enabled
+        problems = settings.problems(pipelined=pipelined,
+                                     accumulating=self.config.accumulation.factor > 1)
+        if not problems:
+            nodes = self.graph._nodes  # the lowered nodes: op, ctx, inputs, outputs
+            onnx_nodes = {o: n for n in self.model.graph.node for o in n.output if o}
+            names = sorted({i for n in nodes for i in n.inputs if i} | self.graph.tensors
+                           - set(self.graph._known))
+            dtypes = {k: np.dtype(v.dtype) for k, v in self._shapes(
+                self.io.inputs, [n for n in names if n in self.graph.tensors]).items()}
+            self.tracking, problems = als.track(
+                settings, nodes, {o: n.domain for o, n in onnx_nodes.items()},
+                self.graph._known, self.graph.weights, self.trained,
+                self._loss_inputs(self.loss), onnx_nodes.get(self.loss),
+                lambda name: dtypes.get(name, np.dtype(np.float32)), self.graph.tensors,
+                {n.output[0] for n in self.model.graph.node if n.output and draws_random(n)})
+            problems = problems or settings.range_problems()
+            if not problems:
+                probed = [*self.tracking.outputs, *self.tracking.tensors]
+                self._als_probes = {k: (v.shape, np.dtype(v.dtype)) for k, v in
+                                    self._shapes(self.io.inputs, probed).items()}
+        raise_errors("TrainingSession", problems[:1])  # PopART stops at the first
+
+    def _extra_anchors(self) -> set[str]:
+        """The anchors that are no tensors of the model: the loss scale's (any training
+        session) and automatic loss scaling's."""
+        out = {als.LOSS_SCALING + "FLOAT16", als.LOSS_SCALING + "FLOAT"}
+        if self.als is not None:
+            out.add(als.FINAL_LOSS_SCALE)
+            if self.config.accumulation.factor > 1:
+                out.add(als.STATISTICS)
+        return out
+
+    def _problems(self, anchors: Mapping[str, AnchorReturnType], chunk: int | None,
+                  workers: str = "threads") -> list[Problem]:
+        extra = self._extra_anchors()
+        return [p for p in super()._problems(anchors, chunk, workers)
+                if not (p.rule == "K-anchor-unknown" and p.loc[-1] in extra)]
+
+    def _shapes(self, inputs: Mapping[str, Any], wanted: list[str]) -> dict[str, Any]:
+        extra = self._extra_anchors()
+        if not any(w in extra for w in wanted):
+            return super()._shapes(inputs, wanted)
+        rest = [w for w in wanted if w not in extra]
+        loss = [self.loss] if self.loss in self.graph.tensors else []
+        out = super()._shapes(inputs, rest + loss)
+        dtype = self._scale_dtype_of(out[self.loss].dtype if loss else np.float32)
+        for w in wanted:
+            if w in extra:
+                out[w] = jax.ShapeDtypeStruct((2,) if w == als.STATISTICS else (),
+                                              np.float32 if w == als.STATISTICS else dtype)
+        return out
+
+    def _scale_dtype_of(self, loss_dtype: Any) -> np.dtype:
+        """The loss scale's dtype: the loss's, or float32 with automatic loss scaling
+        (PopART's EnsureFp32LossScale runs with it: ir.cpp, ensurefp32lossscale.cpp), which
+        is also the factor's and finalLossScale's."""
+        return np.dtype(np.float32) if self.als is not None else np.dtype(loss_dtype)
+
+    @property
+    def _scale_dtype(self) -> np.dtype:
+        return self._scale_dtype_of(self.loss_dtype)
+
+    def _scaled(self, hyper: Any, state: SessionState) -> Any:
+        """The hyperparameters with the loss scaling the step uses: lossScaling x the factor
+        (a power of two, so the optimizer divides it out exactly)."""
+        if self.als is None:
+            return hyper
+        return {**hyper, "loss_scaling": hyper.get("loss_scaling", 1.0)
+                * state.scaling.astype(jnp.float32)}
+
+    def _counts(self, state: SessionState, values: Mapping[str, Any],
+                probed: Mapping[str, Any]) -> Any:
+        """[c, Rb, 2]: each micro-batch's and replica's [lower, upper] counts of the tracked
+        gradients (zeros in a step that takes no histogram)."""
+        tracking, known, edge = self.tracking, self.graph._known, self.als.edge
+
+        def one(v: Mapping[str, Any], p: Mapping[str, Any]) -> Any:
+            grads = [p[t] for t in tracking.tensors]
+            for node, indices in tracking.nodes:
+                args = [known[i] if i in known else v[i] if i else None for i in node.inputs]
+                grads += als.node_gradients(node, args, p[node.outputs[0]], indices)
+            return als.histogram(grads, edge)
+
+        v = {i: values[i] for i in tracking.inputs if i not in known}
+        p = {t: probed[t] for t in [*tracking.outputs, *tracking.tensors]}
+        counts = jax.vmap(jax.vmap(one))(v, p)
+        return counts * als.counted(state.updates, self.als.period).astype(jnp.float32)
+
+    def _apply(self, state: SessionState, grads: Any, hyper: Any) -> SessionState:
+        """A weight update; with automatic loss scaling, the optimizer divides the step's
+        loss scale out and the factor moves (on the steps that count) by the step's counts,
+        summed over every replica."""
+        if self.als is None:
+            return apply_update(state, grads, hyper, self.optimizer, self.reduction)
+        grads = dict(grads)
+        counts = grads.pop(als.STATISTICS)
+        new = apply_update(state, grads, self._scaled(hyper, state), self.optimizer,
+                           self.reduction)
+        counts = reduce_gradients({als.STATISTICS: counts},
+                                  Reduction(self.reduction.axes, self.reduction.flat))
+        factor = state.scaling
+        moved = als.next_factor(factor, counts[als.STATISTICS], self.als.ratio)
+        return replace(new, scaling=jnp.where(als.counted(state.updates, self.als.period),
+                                              moved, factor))
+
+    def _make_executor(self, workers: str) -> Executor:
+        """With automatic loss scaling, a pipelined session runs its stages one after the
+        other (PopART takes it only with gradient accumulation, which flushes the pipeline
+        before each update: the same numbers); the pipeline executor does not count
+        gradients nor agree on the factor between its stages."""
+        if self.als is None or not self.config.pipeline.enabled:
+            return super()._make_executor(workers)
+        self.unpipelined_because = ("automatic loss scaling is on, which the pipeline "
+                                    "executor does not implement")
+        warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the stages "
+             f"one after the other on one device (same numerics).")
+        return (HostDrivenExecutor if self.on_host else LoopedExecutor)(
+            self._step_functions(), self.placement)
 
     def _training_facts(self) -> dict[str, Any]:
         return dict(loss=self.loss, gradients=self.gradient_anchors, trained=self.trained,
@@ -166,8 +310,11 @@ class XlaTrainingBackend(XlaBackend):
     def _work(self) -> dict[str, Any]:
         """What a step carries besides the state: the anchor buffers and, per update,
         whether every micro-batch's loss was finite."""
-        return {"buffers": self.buffers.init(self.placement.per_device),
+        work = {"buffers": self.buffers.init(self.placement.per_device),
                 "losses_finite": jnp.ones((self.shape.batches_per_step,), bool)}
+        if als.STATISTICS in self.anchors:  # the update's counts so far, per replica
+            work["statistics"] = jnp.zeros((self.placement.per_device, 2), jnp.float32)
+        return work
 
     def _step_functions(self) -> StepFunctions:
         """A training step: bps updates of A / chunk chunks each."""
@@ -175,8 +322,7 @@ class XlaTrainingBackend(XlaBackend):
             updates=self.shape.batches_per_step,
             chunks=self.shape.accumulation // self.chunk, work=self._work,
             chunk=self._chunk_grads,
-            apply=lambda state, grads, hyper: apply_update(state, grads, hyper,
-                                                           self.optimizer, self.reduction),
+            apply=self._apply,
             flags=self._finite if self.check_finite else None, inputs=self._inputs,
             stream_axes=self._stream_axes(), buffer_axes=self.buffers.replica_axes())
 
@@ -186,13 +332,19 @@ class XlaTrainingBackend(XlaBackend):
         and this device's replicas), with its anchors written into ``work``."""
         weights = state.weights
         start = update * self.shape.accumulation + index * self.chunk
-        gradients = self.gradient_anchors
+        gradients, extra, tracking = self.gradient_anchors, self._extra_anchors(), self.tracking
         wanted = list(dict.fromkeys([self.loss, *(self._anchor_tensor(a) for a in self.anchors
-                                                 if a not in gradients)]))
+                                                 if a not in gradients and a not in extra),
+                                     *(i for i in (tracking.inputs if tracking else ())
+                                       if i not in self.graph._known)]))
         lead = (self.chunk, self.placement.per_device)
         probes = {tensor: jnp.zeros(lead + self.io.anchors[anchor][0].shape,
                                     self.io.anchors[anchor][0].dtype)
                   for anchor, tensor in gradients.items()}
+        if tracking:
+            probes.update({t: jnp.zeros(lead + tuple(shape), dtype) for t, (shape, dtype)
+                           in self._als_probes.items() if t not in probes})
+        unscaled, hyper = hyper, self._scaled(hyper, state)
 
         def loss_of(train: Mapping[str, jax.Array],
                     probes: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
@@ -206,10 +358,20 @@ class XlaTrainingBackend(XlaBackend):
             (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
                 {n: weights[n] for n in self.trained}, probes)
         values = {**values, **{a: probed[t] for a, t in gradients.items()}}
-        out = {"buffers": self.buffers.write(work["buffers"], {
+        out = dict(work)
+        # the loss scale as PopART holds it: a tensor of the loss's dtype
+        scale = jnp.asarray(unscaled.get("loss_scaling", 1.0)).astype(self._scale_dtype)
+        values[als.LOSS_SCALING + als.onnx_name(self.loss_dtype)] = jnp.broadcast_to(scale, lead)
+        if tracking:
+            counts = self._counts(state, values, probed)
+            grads[als.STATISTICS] = counts.sum(axis=(0, 1))
+            values[als.FINAL_LOSS_SCALE] = jnp.broadcast_to(scale * state.scaling, lead)
+            if "statistics" in work:  # PopART's accumulator: the update's counts so far
+                so_far = jnp.where(index == 0, 0, work["statistics"]) + jnp.cumsum(counts, 0)
+                values[als.STATISTICS], out["statistics"] = so_far, so_far[-1]
+        out["buffers"] = self.buffers.write(work["buffers"], {
             n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors},
-            start),
-               "losses_finite": work["losses_finite"]}
+            start)
         if self.check_finite:
             finite = jnp.isfinite(values[self.loss]).all()
             out["losses_finite"] = work["losses_finite"].at[update].set(
@@ -229,7 +391,8 @@ class XlaTrainingBackend(XlaBackend):
         """The run's :func:`~.state.finite_flags`; over several devices, agreed on by all."""
         flags = finite_flags(work["losses_finite"], state.weights, self.trained)
         if self.placement.several:
-            flags = jax.lax.pmin(flags.astype(jnp.int32), self.placement.axes).astype(bool)
+            flags = min_over_instances(flags.astype(jnp.int32), self.placement.axes,
+                                       "process").astype(bool)
         return flags
 
     def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -239,6 +402,11 @@ class XlaTrainingBackend(XlaBackend):
         # a run computes new weights and state beside the committed ones (atomic runs)
         parts["weights"] = 2 * parts["weights"]
         parts["optimizer state"] = 2 * state
+        if self.on_host:  # the accumulator is carried between the chunk programs' calls, one
+            # of their arguments (a looped step's is among XLA's own figures)
+            parts["gradient accumulator"] = sum(
+                int(np.prod(np.shape(self.state.weights[n]), dtype=np.int64))
+                * np.dtype(self.state.weights[n].dtype).itemsize for n in self.trained)
         return parts, detail
 
     def optimizer_state(self) -> dict[str, Any]:
