@@ -500,3 +500,14 @@ def test_initializers_saved_externally_load_from_the_model_s_folder(tmp_path, mo
     np.testing.assert_allclose(anchors[y], [[9.0, 12.0, 15.0]])
     with pytest.raises(popart.popart_exception, match="is not an initializer"):
         b.saveInitializersExternally([x], "other.bin")
+
+
+def test_a_constant_of_any_type_is_typed_by_its_value_at_every_opset():
+    """PopART's ConstantOp takes any tensor: an INT64 constant under opset 8, where ONNX's
+    Constant-1 lists float types only, is typed INT64 with the value's shape."""
+    import popart_kit.popart as popart
+
+    b = popart.Builder(opsets={"ai.onnx": 8, "ai.graphcore": 1})
+    c = b.aiOnnx.constant(np.array([[2, 1, 6]], dtype=np.int64))
+    assert b.getTensorDtypeString(c) == "int64"
+    assert b.getTensorShape(c) == [1, 3]

@@ -630,6 +630,12 @@ class Builder(NodeSettings, SubgraphBuilding):
         """The outputs' types by ONNX inference. An input of a type the ONNX schema does not
         list (UINT32 indices of a Gather) is inferred as its nearest listed type: PopART runs
         ONNX's inference leniently and its ops take such types."""
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        if node.op_type == "Constant" and not domain and value is not None:
+            # its value's type and shape, whatever the opset: PopART's ConstantOp takes any
+            # tensor, where ONNX's Constant-1 lists only float types
+            return {node.output[0]: helper.make_tensor_type_proto(value.data_type,
+                                                                  list(value.dims))}
         schema = onnx.defs.get_schema(node.op_type, self._onnx_version, domain)
         inputs = {t: self._types[t] for t in node.input if t}
         node = _with_hidden_size(node, inputs)
