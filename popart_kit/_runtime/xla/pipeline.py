@@ -477,20 +477,42 @@ class PipelineExecutor:
         """The stages' actions by a thread per stage. A failure in a stage, or an exception
         (KeyboardInterrupt included) in this thread while it waits, stops every stage at its
         next action, and this returns only once they have all stopped, then raises it: no
-        stage runs on after its run has ended."""
-        workers = [threading.Thread(target=r.run, args=(ctx,), daemon=True,
-                                    name=f"pipeline stage {r.index}") for r in runners]
+        stage runs on after its run has ended.
+
+        A stage's end is its own event, set once its frames (and the arrays they held) are
+        gone, not ``Thread.join``: on Python before 3.13 a join interrupted by Ctrl-C marks a
+        thread that is still running as stopped (``_wait_for_tstate_lock`` releases the lock
+        the live thread holds), so a later join returns at once and the stage could free its
+        arrays while the interpreter finalizes - jaxlib's ``~PyArray_Storage`` then takes the
+        GIL back, the thread is unwound by ``pthread_exit`` through that destructor, and the
+        process aborts instead of ending by SIGINT. A thread that had not begun when the run
+        failed does nothing but see the failure."""
+        ended = [threading.Event() for _ in runners]
+
+        def stage(runner: StageRunner, end: threading.Event) -> None:
+            try:
+                runner.run(ctx)
+            finally:
+                end.set()  # run's frame, and every array it held, is gone by now
+
+        workers = [threading.Thread(target=stage, args=(r, e), daemon=True,
+                                    name=f"pipeline stage {r.index}")
+                   for r, e in zip(runners, ended, strict=True)]
         try:
             for t in workers:
                 t.start()
-            for t in workers:
-                t.join()
+            for e in ended:
+                e.wait()
         except BaseException as error:
             ctx.board.fail(error)
-            for t in workers:
-                if t.ident is not None:  # started
-                    t.join()
+            for t, e in zip(workers, ended, strict=True):
+                if t.ident is not None:  # begun before the failure: it may be mid-action
+                    e.wait()
             raise
+        finally:
+            for t in workers:
+                if t.ident is not None:
+                    t.join()  # past its last array: only the thread's own teardown is left
         if ctx.board.failed is not None:
             raise ctx.board.failed
 
