@@ -133,6 +133,16 @@ class LoweredGraph:
                             outputs=[o for n in nodes for o in n.outputs if o], nodes=nodes)
 
     @property
+    def nodes(self) -> tuple[_Node, ...]:
+        """The lowered nodes in order (each its operator, context, inputs and outputs)."""
+        return tuple(self._nodes)
+
+    @property
+    def known(self) -> Mapping[str, np.ndarray]:
+        """The tensors whose values are known when the graph is lowered (folded constants)."""
+        return self._known
+
+    @property
     def recomputes(self) -> bool:
         """Whether Builder.recomputeOutputInBackwardPass marks any node Recompute."""
         return any(n.recompute == 2 for n in self._nodes)

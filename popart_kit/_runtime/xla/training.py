@@ -135,15 +135,15 @@ class XlaTrainingBackend(XlaBackend):
         problems = settings.problems(pipelined=pipelined,
                                      accumulating=self.config.accumulation.factor > 1)
         if not problems:
-            nodes = self.graph._nodes  # the lowered nodes: op, ctx, inputs, outputs
+            nodes = self.graph.nodes
             onnx_nodes = {o: n for n in self.model.graph.node for o in n.output if o}
             names = sorted({i for n in nodes for i in n.inputs if i} | self.graph.tensors
-                           - set(self.graph._known))
+                           - set(self.graph.known))
             dtypes = {k: np.dtype(v.dtype) for k, v in self._shapes(
                 self.io.inputs, [n for n in names if n in self.graph.tensors]).items()}
             self.tracking, problems = als.track(
                 settings, nodes, {o: n.domain for o, n in onnx_nodes.items()},
-                self.graph._known, self.graph.weights, self.trained,
+                self.graph.known, self.graph.weights, self.trained,
                 self._loss_inputs(self.loss), onnx_nodes.get(self.loss),
                 lambda name: dtypes.get(name, np.dtype(np.float32)), self.graph.tensors,
                 {n.output[0] for n in self.model.graph.node if n.output and draws_random(n)})
@@ -206,7 +206,7 @@ class XlaTrainingBackend(XlaBackend):
                 probed: Mapping[str, Any]) -> Any:
         """[c, Rb, 2]: each micro-batch's and replica's [lower, upper] counts of the tracked
         gradients (zeros in a step that takes no histogram)."""
-        tracking, known, edge = self.tracking, self.graph._known, self.als.edge
+        tracking, known, edge = self.tracking, self.graph.known, self.als.edge
 
         def one(v: Mapping[str, Any], p: Mapping[str, Any]) -> Any:
             grads = [p[t] for t in tracking.tensors]
@@ -336,7 +336,7 @@ class XlaTrainingBackend(XlaBackend):
         wanted = list(dict.fromkeys([self.loss, *(self._anchor_tensor(a) for a in self.anchors
                                                  if a not in gradients and a not in extra),
                                      *(i for i in (tracking.inputs if tracking else ())
-                                       if i not in self.graph._known)]))
+                                       if i not in self.graph.known)]))
         lead = (self.chunk, self.placement.per_device)
         probes = {tensor: jnp.zeros(lead + self.io.anchors[anchor][0].shape,
                                     self.io.anchors[anchor][0].dtype)
