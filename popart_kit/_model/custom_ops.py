@@ -19,7 +19,6 @@ from .graphcore import TensorType  # (ONNX elem type, shape or None), as the Bui
 __all__ = ["CustomOp", "CUSTOM_OPS", "custom_op", "register_custom_op"]
 
 
-
 @dataclass(frozen=True)
 class CustomOp:
     """A registered custom operator (see the module docstring)."""
