@@ -10,6 +10,7 @@ for one micro-batch per replica at a time, micro-batch major and replica minor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging as _logging
 import os
 from collections.abc import Mapping
@@ -333,20 +334,18 @@ class _Session:
                     raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
                 _flat_into(name, stepio.outputs[name], values, "output", "PyStepIO")
 
+    @functools.cached_property
     def _host_layout(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Each input's and anchor's host shape and element count, worked out on the first run
         (they are the session's, fixed)."""
-        layout = self.__dict__.get("_layout")
-        if layout is None:
-            io = self._kit.io
-            layout = self._layout = tuple(
-                {name: (tuple(shape(name)), int(np.prod(shape(name)))) for name in names}
-                for names, shape in ((io.inputs, io.input_shape), (io.anchors, io.anchor_shape)))
-        return layout
+        io = self._kit.io
+        return tuple(
+            {name: (tuple(shape(name)), int(np.prod(shape(name)))) for name in names}
+            for names, shape in ((io.inputs, io.input_shape), (io.anchors, io.anchor_shape)))
 
     def _check_outputs(self, stepio: PyStepIO) -> None:
         """PyStepIO's output arrays, checked as the run will write them (see _flat_into)."""
-        io, sizes = self._kit.io, self._host_layout()[1]
+        io, sizes = self._kit.io, self._host_layout[1]
         for name, (spec, _) in io.anchors.items():
             if name not in stepio.outputs:
                 raise popart_exception(f"No tensor {name} provided in PyStepIO's outputs")
@@ -362,7 +361,7 @@ class _Session:
                         f"The tensor '{name}' has been provided as one of the inputs to the "
                         f"stepIO, but it is not registered as one of the inputs to the model. "
                         f"Inputs of the model: {sorted(io.inputs)}.")
-        layout = self._host_layout()[0]
+        layout = self._host_layout[0]
         for name, spec in io.inputs.items():
             if name not in stepio.inputs:
                 raise popart_exception(f"No tensor {name} provided in PyStepIO's inputs")
