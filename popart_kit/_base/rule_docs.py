@@ -334,6 +334,11 @@ RULES: dict[str, tuple[str, str]] = {
                                "PopART infers leniently (InferShapes, builder_impl.cpp "
                                "runShapeInference) and its ops take more types (UINT32 "
                                "indices)."),
+    "K-model-popart-setup": ("Each op's inputs are ones PopART's op takes (shapes that "
+                             "broadcast, one data type where it wants one, constant shape "
+                             "inputs), in its words.",
+                             "PopART's op setup() (willow/src/op/*.cpp), when a session is "
+                             "made."),
     "K-model-cycle": ("The graph has no cycle.", "onnx."),
     "K-model-undefined-input": ("Every node input is defined.", "onnx."),
     "K-model-duplicate-input": ("No graph input twice.", "onnx."),

@@ -18,6 +18,7 @@ import onnx
 from .._base.problems import Problem, raise_errors
 from ..errors import InvalidModel, clip
 from .builder_subgraphs import without_branch_inputs
+from .popart_types import first_refusal
 
 __all__ = ["model_problems", "check_model"]
 
@@ -402,13 +403,33 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
     return out
 
 
+def _popart_refusal(model: onnx.ModelProto) -> list[Problem]:
+    """The first node PopART's op refuses (popart_types.first_refusal), in its words."""
+    try:
+        refusal = first_refusal(model)
+    except (ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+        return []
+    if refusal is None:
+        return []
+    return [_problem("checker", f"PopART refuses the model: {clip(refusal, 600)}",
+                     "give the op inputs it takes (shapes that broadcast, one data type, "
+                     "constant shape inputs).", "K-model-popart-setup")]
+
+
 def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     """onnx.checker's structural check (PopART's), then ONNX's strict shape and type inference
-    (the kit's: PopART infers leniently, so under popart_kit.popart it only warns)."""
+    (the kit's: PopART infers leniently, so under popart_kit.popart it only warns); where that
+    refuses, a node PopART's op refuses (popart_types.first_refusal) is the error reported."""
     model = without_branch_inputs(_without_popart_extras(model))
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
+        # an op PopART refuses leaves its outputs untyped (as in PopART's Builder), which the
+        # checker refuses first; PopART (which runs no checker on a session's model) refuses
+        # the op
+        refused = _popart_refusal(model)
+        if refused:
+            return refused
         text = clip(str(err).strip(), 600)
         return [_problem("checker", f"onnx.checker refuses the model: {text}",
                          "correct the node it names (shapes, types and attributes as the "
@@ -419,6 +440,9 @@ def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     try:
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        refused = _popart_refusal(model)  # PopART's ops type what ONNX's schemas refuse
+        if refused:
+            return refused
         text = clip(str(err).strip(), 600)
         return [_problem("checker", f"ONNX shape and type inference refuses the model: {text}",
                          "correct the node it names (shapes, types and attributes as the "

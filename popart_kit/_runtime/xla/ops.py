@@ -493,8 +493,17 @@ def _pow(x: Any, y: Any) -> Any:
     return jnp.power(x.astype(wide), y.astype(wide)).astype(x.dtype)
 
 
+def _mul(a: Any, b: Any) -> Any:
+    """PopART's MulOp: a FLOAT16 tensor times a FLOAT scalar (either way round) is FLOAT16
+    (popart_types._mul); computed in float32."""
+    if {jnp.dtype(a.dtype), jnp.dtype(b.dtype)} == {jnp.dtype(jnp.float16),
+                                                    jnp.dtype(jnp.float32)}:
+        return jnp.multiply(a.astype(jnp.float32), b.astype(jnp.float32)).astype(jnp.float16)
+    return jnp.multiply(a, b)
+
+
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
-    "Add": jnp.add, "Sub": jnp.subtract, "Mul": jnp.multiply, "Div": _div, "Pow": _pow,
+    "Add": jnp.add, "Sub": jnp.subtract, "Mul": _mul, "Div": _div, "Pow": _pow,
     "Equal": jnp.equal, "Less": jnp.less, "Greater": jnp.greater,
     "LessOrEqual": jnp.less_equal, "GreaterOrEqual": jnp.greater_equal,
     "And": jnp.logical_and, "Or": jnp.logical_or, "Xor": jnp.logical_xor,

@@ -1,0 +1,349 @@
+"""PopART's typing of ai.onnx nodes, where it differs from ONNX's strict inference.
+
+PopART's Builder runs ONNX's inference leniently (``InferShapes`` with its default options, in
+willow/src/builder_impl.cpp ``runShapeInference``): no check of the schema's type constraints,
+and a node ONNX cannot infer is left untyped instead of refused. Its ops then type their outputs
+in their own ``setup()`` (willow/src/op/*.cpp) when a session is made, and refuse there.
+:func:`node_types` types one node as PopART does, in this order:
+
+1. PopART's own Builder inference functions, which replace ONNX's (:data:`BUILDER_RULES`:
+   willow/src/shapeinference.cpp, BatchNormalization 6/7/9);
+2. ONNX's strict inference;
+3. where it refuses, the op's ``setup()`` rule (:data:`SETUP_RULES`), which gives PopART's
+   output types or raises :class:`PopartRefusal` with PopART's words;
+4. else ONNX's inference without the type-constraint check (PopART's Builder's answer).
+
+A node none of these types raises ONNX's ``InferenceError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["PopartRefusal", "BUILDER_RULES", "SETUP_RULES", "node_types", "onnx_types"]
+
+Shape = tuple[int, ...]
+Typed = tuple[int, Shape]  # (ONNX elem type, shape)
+
+
+class PopartRefusal(ValueError):
+    """PopART's op refuses these inputs when a session is made (its setup's message)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """What a rule reads: the node, its inputs' (elem type, shape) (None when unknown or
+    omitted) and the values of its constant inputs."""
+
+    proto: onnx.NodeProto
+    version: int
+    inputs: Sequence[Typed | None]
+    values: Mapping[int, np.ndarray]
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return {a.name: helper.get_attribute_value(a) for a in self.proto.attribute}
+
+    def op(self) -> str:
+        """The op as PopART's ``Op::str`` names it: ``Op <name> (ai.onnx.Add:9)``."""
+        name = self.proto.name or (self.proto.output[0] if self.proto.output else "")
+        return f"Op {name} (ai.onnx.{self.proto.op_type}:{self.version})"
+
+    def known(self, *indices: int) -> list[Typed]:
+        found = [self.inputs[i] if i < len(self.inputs) else None for i in indices]
+        if any(t is None for t in found):
+            raise _Unknown
+        return found  # type: ignore[return-value]
+
+
+class _Unknown(Exception):
+    """An input's type or shape is not known: the rule cannot type the node."""
+
+
+def _type_name(elem: int) -> str:
+    return TensorProto.DataType.Name(elem)
+
+
+def _dims(shape: Shape) -> str:
+    return "[" + " ".join(str(d) for d in shape) + "]"
+
+
+def np_out(node: Node, s0: Shape, s1: Shape) -> Shape:
+    """numpy broadcasting of two shapes, refused in PopART's words (tensorinfo.cpp npOut)."""
+    out = []
+    for i in range(1, max(len(s0), len(s1)) + 1):
+        a = s0[-i] if i <= len(s0) else 1
+        b = s1[-i] if i <= len(s1) else 1
+        if a != b and a != 1 and b != 1:
+            raise PopartRefusal(f"np broadcasting failed on '{node.op()}', frames "
+                                f"[{', '.join(map(str, s0))}] and [{', '.join(map(str, s1))}] "
+                                f"are not aligned")
+        out.append(b if a == 1 else a)
+    return tuple(reversed(out))
+
+
+def _same_type(node: Node, t0: Typed, t1: Typed) -> None:
+    if t0[0] != t1[0]:
+        raise PopartRefusal(f"np broadcasting failed on {node.op()}, incompatible types "
+                            f"{_type_name(t0[0])} and {_type_name(t1[0])} (shapes "
+                            f"{_dims(t0[1])} and {_dims(t1[1])})")
+
+
+def _binary(node: Node) -> list[Typed]:
+    """ElementWiseBinaryBaseOp::setup: one data type, numpy broadcasting; input 0's type."""
+    t0, t1 = node.known(0, 1)
+    _same_type(node, t0, t1)
+    return [(t0[0], np_out(node, t0[1], t1[1]))]
+
+
+def _fp32_scalar(t: Typed) -> bool:
+    return t[0] == TensorProto.FLOAT and int(np.prod(t[1], dtype=np.int64)) == 1
+
+
+def _mul(node: Node) -> list[Typed]:
+    """MulOp::setup: as :func:`_binary`, except that a FLOAT16 tensor times a FLOAT scalar (one
+    element), either way round, is FLOAT16 (mul.cpp getOutputDataType)."""
+    t0, t1 = node.known(0, 1)
+    shape = np_out(node, t0[1], t1[1])
+    if t0[0] != t1[0] and all(_fp32_scalar(t) or t[0] == TensorProto.FLOAT16 for t in (t0, t1)):
+        return [(TensorProto.FLOAT16, shape)]
+    _same_type(node, t0, t1)
+    return [(t0[0], shape)]
+
+
+def _comparison(node: Node) -> list[Typed]:
+    """BinaryComparisonOp::setup (Equal, Greater, Less, And, Or, Xor ...): BOOL, numpy
+    broadcasting of the shapes; any input types."""
+    t0, t1 = node.known(0, 1)
+    return [(TensorProto.BOOL, np_out(node, t0[1], t1[1]))]
+
+
+def _variadic(node: Node) -> list[Typed]:
+    """VariadicOp::setup (Max, Min, Sum, Mean): input 0's type, broadcast with each other
+    input, one data type."""
+    out = node.known(0)[0]
+    for i in range(1, len(node.inputs)):
+        (t,) = node.known(i)
+        _same_type(node, out, t)
+        out = (out[0], np_out(node, out[1], t[1]))
+    return [out]
+
+
+def _shape_value(node: Node, index: int, what: str) -> Shape:
+    """The value of a constant INT32 or INT64 shape input (PopART's getInTensorData)."""
+    value = node.values.get(index)
+    if value is None:
+        raise PopartRefusal(f"Need the value of the {node.op()} input '{what}' to determine "
+                            f"the output shape, but was unable because the tensor "
+                            f"'{node.proto.input[index]}' does not have data")
+    if value.dtype not in (np.int32, np.int64):
+        raise PopartRefusal(f"Need the value of the {node.op()} input '{what}' to determine "
+                            f"the output shape, but was unable because its data type is "
+                            f"{value.dtype}; PopART reads INT32 or INT64")
+    return tuple(int(v) for v in value.reshape(-1))
+
+
+def _expand(node: Node) -> list[Typed]:
+    """ExpandOp: the constant ``shape`` (INT32 or INT64) broadcast with the input's shape
+    (expand.cpp finaliseShape); the input's type."""
+    shape = _shape_value(node, 1, "shape")
+    (t0,) = node.known(0)
+    out = []
+    for i in range(1, max(len(shape), len(t0[1])) + 1):
+        a = t0[1][-i] if i <= len(t0[1]) else 1
+        b = shape[-i] if i <= len(shape) else 1
+        if a != 1 and b != 1 and a != b:
+            raise PopartRefusal("Expand shape constraint: corresponding dimensions must have "
+                                "the same value or one of them must be 1")
+        out.append(max(a, b))
+    return [(t0[0], tuple(reversed(out)))]
+
+
+def _constant_of_shape(node: Node) -> list[Typed]:
+    """ConstantOfShape: the constant ``input`` (INT32 or INT64) is the shape; the value
+    attribute's type (FLOAT when absent)."""
+    shape = _shape_value(node, 0, "input")
+    value = node.attrs.get("value")
+    return [(value.data_type if value is not None else TensorProto.FLOAT, shape)]
+
+
+def _conv_transpose(node: Node) -> list[Typed]:
+    """ConvTransposeOp::setup: [N, weights[1] * group, spatial...]; ``output_shape`` either
+    the spatial sizes or, as PopART also takes, the whole output shape."""
+    x, w = node.known(0, 1)
+    attrs = node.attrs
+    spatial = len(x[1]) - 2
+    given = list(attrs.get("output_shape", []))
+    if given and len(given) != spatial:
+        return [(x[0], tuple(given))]
+    out = [x[1][0], w[1][1] * int(attrs.get("group", 1))]
+    if given:
+        return [(x[0], tuple(out + given))]
+    strides = list(attrs.get("strides", [])) or [1] * spatial
+    padding = list(attrs.get("output_padding", [])) or [0] * spatial
+    pads = list(attrs.get("pads", [])) or [0] * (2 * spatial)
+    out += [strides[i] * (x[1][i + 2] - 1) + padding[i] + w[1][i + 2] - pads[i]
+            - pads[spatial + i] for i in range(spatial)]
+    return [(x[0], tuple(out))]
+
+
+def _batch_norm(node: Node) -> list[Typed | None]:
+    """PopART's Builder inference of BatchNormalization 6, 7 and 9 (shapeinference.cpp): Y as
+    X; with 5 outputs, mean and saved mean as the mean input, var and saved var as var."""
+    out: list[Typed | None] = [node.inputs[0]]
+    if len(node.proto.output) == 5:
+        mean, var = (node.inputs[i] if i < len(node.inputs) else None for i in (3, 4))
+        out += [mean, var, mean, var]
+    return out
+
+
+Rule = Callable[[Node], list[Any]]
+
+#: PopART's own Builder inference, used instead of ONNX's: op type -> (ai.onnx versions, rule).
+BUILDER_RULES: dict[str, tuple[frozenset[int], Rule]] = {
+    "BatchNormalization": (frozenset({6, 7, 9}), _batch_norm),
+}
+
+#: The ops' setup() rules, used where ONNX's strict inference refuses a node.
+SETUP_RULES: dict[str, Rule] = {
+    **dict.fromkeys(("Add", "Sub", "Div", "Pow"), _binary),
+    "Mul": _mul,
+    **dict.fromkeys(("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or",
+                     "Xor"), _comparison),
+    **dict.fromkeys(("Max", "Min", "Sum", "Mean"), _variadic),
+    "Expand": _expand,
+    "ConstantOfShape": _constant_of_shape,
+    "ConvTranspose": _conv_transpose,
+}
+
+
+def _typed(t: onnx.TypeProto | None) -> Typed | None:
+    if t is None or not t.HasField("tensor_type"):
+        return None
+    tensor = t.tensor_type
+    if not tensor.elem_type or not tensor.HasField("shape") or any(
+            not d.HasField("dim_value") for d in tensor.shape.dim):
+        return None
+    return tensor.elem_type, tuple(d.dim_value for d in tensor.shape.dim)
+
+
+def _as_protos(node: onnx.NodeProto, typed: Sequence[Typed | None]) -> dict[str, onnx.TypeProto]:
+    return {name: helper.make_tensor_type_proto(t[0], list(t[1]))
+            for name, t in zip(node.output, typed, strict=False) if name and t is not None}
+
+
+def onnx_types(node: onnx.NodeProto, version: int, types: Mapping[str, onnx.TypeProto],
+               data: Mapping[str, TensorProto], domain: str = "", check_type: bool = True
+               ) -> dict[str, onnx.TypeProto]:
+    """ONNX's inference of one node: strict (the schema's type constraints checked), or, with
+    ``check_type=False``, as PopART's Builder runs it. Raises ValidationError or
+    InferenceError."""
+    schema = onnx.defs.get_schema(node.op_type, version, domain)
+    if check_type:
+        return dict(onnx.shape_inference.infer_node_outputs(
+            schema, node, dict(types), dict(data) or None,
+            opset_imports=[helper.make_opsetid("", version)]))
+    inputs = [helper.make_value_info(name, types[name]) for name in dict.fromkeys(node.input)
+              if name and name not in data and name in types]
+    initializers = []
+    for name, tensor in data.items():
+        if name in node.input:
+            copy = TensorProto()
+            copy.CopyFrom(tensor)
+            copy.name = name
+            initializers.append(copy)
+    opsets = [helper.make_opsetid("", version)]
+    if domain:
+        opsets.append(helper.make_opsetid(domain, schema.since_version))
+    graph = helper.make_graph([node], "node", inputs, [], initializer=initializers)
+    model = helper.make_model(graph, opset_imports=opsets)
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=True)
+    return {v.name: v.type for v in inferred.graph.value_info if v.name in node.output}
+
+
+def node_types(node: onnx.NodeProto, version: int, types: Mapping[str, onnx.TypeProto],
+               data: Mapping[str, TensorProto], domain: str = "",
+               refine: Callable[[dict[str, onnx.TypeProto]], dict[str, onnx.TypeProto] | None]
+               | None = None) -> dict[str, onnx.TypeProto]:
+    """``node``'s output types as PopART gives them (see the module docstring). ``refine``
+    may offer other input types for a second strict try (nearest listed types). Raises
+    :class:`PopartRefusal` where PopART's op refuses the inputs, ONNX's InferenceError where
+    nothing types the node."""
+    def rule_node() -> Node:
+        values = {i: numpy_helper.to_array(data[name]) for i, name in enumerate(node.input)
+                  if name in data}
+        return Node(node, version, [_typed(types.get(name)) if name else None
+                                    for name in node.input], values)
+
+    if not domain and node.op_type in BUILDER_RULES:
+        versions, rule = BUILDER_RULES[node.op_type]
+        schema = onnx.defs.get_schema(node.op_type, version, domain)
+        if schema.since_version in versions:
+            return _as_protos(node, rule(rule_node()))
+    inputs = dict(types)
+    try:
+        return onnx_types(node, version, inputs, data, domain)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        refused = err
+    relaxed = refine(inputs) if refine is not None else None
+    if relaxed is not None:
+        try:
+            return onnx_types(node, version, relaxed, data, domain)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+            pass
+    rule = SETUP_RULES.get(node.op_type) if not domain else None
+    if rule is not None:
+        try:
+            return _as_protos(node, rule(rule_node()))
+        except _Unknown:
+            pass
+    try:
+        found = onnx_types(node, version, inputs, data, domain, check_type=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+        found = {}
+    if found and all(_typed(found.get(name)) is not None for name in node.output if name):
+        return found
+    raise onnx.shape_inference.InferenceError(str(refused)) from None
+
+
+def first_refusal(model: onnx.ModelProto) -> str | None:
+    """The first refusal of PopART's ops in ``model``'s main graph (its setup's message,
+    naming the node), typing node by node as :func:`node_types` does; None when none refuses.
+    A node nothing types keeps the types the model records for its outputs."""
+    version = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                   onnx.defs.onnx_opset_version())
+    graph = model.graph
+    types: dict[str, onnx.TypeProto] = {v.name: v.type for v in (*graph.input,
+                                                                 *graph.value_info)}
+    data: dict[str, TensorProto] = {}
+    for tensor in graph.initializer:
+        data[tensor.name] = tensor
+        types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+    for node in graph.node:
+        found: dict[str, onnx.TypeProto] = {}
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                data[node.output[0]] = value
+                found = {node.output[0]: helper.make_tensor_type_proto(value.data_type,
+                                                                       list(value.dims))}
+        elif (node.domain in ("", "ai.onnx") and not any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                for a in node.attribute)
+                and all(not t or _typed(types.get(t)) is not None for t in node.input)):
+            try:
+                found = node_types(node, version, {t: types[t] for t in node.input if t},
+                                   {t: data[t] for t in node.input if t in data})
+            except PopartRefusal as refusal:
+                return str(refusal)
+            except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError,
+                    onnx.defs.SchemaError):
+                found = {}
+        types.update(found)
+    return None
