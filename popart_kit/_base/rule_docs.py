@@ -258,6 +258,11 @@ RULES: dict[str, tuple[str, str]] = {
     "K-gradient-dtype": ("Gradient anchors of float tensors.", _KIT),
     "K-weight-unknown": ("write_weights names weights of the model.", "PopART: no such weight."),
     "K-weight-shape": ("write_weights arrays have the weights' shapes.", "PopART."),
+    "K-variable-settings": ("A grouped weight (VariableSettings) has one value per group of "
+                            "the session's replicas, its grouping divides them, and it is not "
+                            "pipelined, over several instances, trained by LAMB or clipped.",
+                            "PopART's addVarInit and ReplicaGrouping checks; the rest the xla "
+                            "backend cannot run."),
     "K-nonfinite-update": ("A training run met NaN/Inf: nothing is applied.", _KIT),
     "K-memory": ("The step fits the device's memory.", "Poplar: out of memory."),
     "K-pipeline-workers": ("pipeline_workers is 'threads' or 'processes'; processes run the "

@@ -40,6 +40,7 @@ from .graphcore import GRAPHCORE_OPS, REQUIRED
 from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
 from .onnx_ops import OpSignature, signatures
 from .popart_types import PopartRefusal, node_types
+from .variables import VariableSettings, record_settings
 
 __all__ = ["Builder", "BuilderError", "PipelineBuilder", "TensorInfo", "InputSettings",
            "ReplicatedStreamMode", "ReductionType", "DEFAULT_AI_ONNX_OPSET"]
@@ -144,6 +145,14 @@ def _count(value: Any) -> int:
 
 def _is_info(v: Any) -> bool:
     return isinstance(v, TensorInfo)
+
+
+_ADD_INITIALIZED = (
+    (signature("initVal", "debugContext", debugContext=""),
+     {"debugContext": lambda v: not isinstance(v, VariableSettings)}),
+    (signature("initVal", "variableSettings", "debugContext", debugContext=""),
+     {"variableSettings": lambda v: isinstance(v, VariableSettings)}),
+)
 
 
 def _is_settings(v: Any) -> bool:
@@ -696,9 +705,17 @@ class Builder(NodeSettings, SubgraphBuilding):
         self._metadata[f"{STREAM_MODE_KEY}{tensor_id}"] = str(mode.value)
         return tensor_id
 
-    def addInitializedInputTensor(self, initVal: np.ndarray, debugContext: str = "") -> str:
-        array = np.require(initVal, requirements="C")
+    def addInitializedInputTensor(self, *args: Any, **kwargs: Any) -> str:
+        """PopART's overloads: ``(initVal, debugContext="")`` and ``(initVal,
+        variableSettings, debugContext="")`` - a weight with one value per group of replicas,
+        ``initVal`` holding [groups, *shape] (see :mod:`.variables`; the grouping is recorded
+        in the model's metadata, as PopART records it)."""
+        given = overload("addInitializedInputTensor", args, kwargs, *_ADD_INITIALIZED)
+        array = np.require(given["initVal"], requirements="C")
+        debugContext = given["debugContext"]
         tensor_id = self._next_id(debug_name(debugContext, "debugContext") or "init_input")
+        if given.get("variableSettings") is not None:
+            record_settings(self._metadata, tensor_id, given["variableSettings"])
         if array.dtype == np.float32:  # PopART stores FLOAT initializers in float_data
             tensor = helper.make_tensor(tensor_id, onnx.TensorProto.FLOAT, array.shape,
                                         array.reshape(-1))

@@ -3,8 +3,9 @@
 ``import popart_kit.popart as popart`` (or ``popart-kit run SCRIPT``, which makes ``import
 popart`` resolve here) gives PopART's names - Builder, TensorInfo, DataFlow, AnchorReturnType,
 SessionOptions, DeviceManager, InferenceSession, TrainingSession, PyStepIO, PyStepIOCallback,
-PyWeightsIO, SGD, ConstSGD, Adam, Adaptive, GraphTransformer, the enums, the reserved prefixes,
-popart_exception and OutOfMemoryException - with PopART's signatures and defaults. Sessions
+PyWeightsIO, SGD, ConstSGD, Adam, Adaptive, GraphTransformer, VariableSettings (grouped weights),
+the enums, the reserved prefixes, popart_exception and OutOfMemoryException - with PopART's
+signatures and defaults. Sessions
 run on the kit's xla runtime: replicated, accumulated and pipelined programs run on a CPU or
 GPU.
 
@@ -57,6 +58,7 @@ from ._optimizers import (
     OptimizerValueMap,
 )
 from ._options import STRUCTS, SessionOptions
+from ._variables import VariableSettings
 
 # popart_kit marks this module so that backend "auto" never takes it for the Poplar SDK.
 IS_POPART_KIT = True
@@ -133,5 +135,6 @@ __all__ = [
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
     "getLogger", "versionString", "versionNumber", "initializePoplarDebugInfo",
     "closePoplarDebugInfo", "OperatorIdentifier", "getSupportedOperations",
-    "getUnsupportedOperations", "GraphTransformer", *ENUMS, *STRUCTS, *PREFIX_FUNCTIONS,
+    "getUnsupportedOperations", "GraphTransformer", "VariableSettings", *ENUMS, *STRUCTS,
+    *PREFIX_FUNCTIONS,
 ]

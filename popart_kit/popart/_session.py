@@ -421,6 +421,27 @@ class _Session:
     def _weights(self) -> dict[str, np.ndarray]:
         return self._kit.weights()
 
+    @property
+    def _groupings(self) -> dict[str, Any]:
+        """The weights of more than one group of replicas (VariableSettings), by name."""
+        return getattr(self._kit.runtime, "groupings", {})
+
+    def _host_view(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Weights (and their optimizer state, PopART's reserved prefix + the weight's name)
+        as PopART's readWeights returns them: a grouped weight [groups, *shape], or
+        [replicas, *shape] with VariableRetrievalMode.AllReplicas."""
+        groupings = self._groupings
+        if not groupings:
+            return tensors
+        prefixes = set(RESERVED_PREFIXES.values())
+        out = dict(tensors)
+        for name, value in tensors.items():
+            weight = name if name in groupings else next(
+                (w for w in groupings if name.endswith(w) and name[:-len(w)] in prefixes), None)
+            if weight is not None:
+                out[name] = groupings[weight].to_host(value)
+        return out
+
     def weightsFromHost(self) -> None:
         """Copy the host weights (writeWeights, resetHostWeights) to the device."""
         self._weights_sent = True
@@ -449,14 +470,17 @@ class _Session:
             if name not in current:
                 raise popart_exception(f"writeWeights: {name!r} is not a weight of the model "
                                        f"({', '.join(sorted(current))}).")
-            if array.size != current[name].size:
+            grouping = self._groupings.get(name)
+            expected = grouping.host_shape() if grouping else current[name].shape
+            if array.size != int(np.prod(expected)):
                 raise popart_exception(f"writeWeights: {name!r} has {array.size} elements, the "
-                                       f"weight {list(current[name].shape)} has "
-                                       f"{current[name].size}.")
-            self._pending[name] = np.array(array)
+                                       f"weight {list(expected)} has "
+                                       f"{int(np.prod(expected))}.")
+            self._pending[name] = grouping.from_host(np.array(array)) if grouping else \
+                np.array(array)
 
     def readWeights(self, weightsIo: PyWeightsIO) -> None:
-        tensors = self._weights() | self._optimizer_tensors()
+        tensors = self._host_view(self._weights() | self._optimizer_tensors())
         for name, target in weightsIo.weights.items():
             if name not in tensors:
                 raise popart_exception(f"readWeights: no weight or optimizer state named "
@@ -616,8 +640,11 @@ class TrainingSession(_Session):
                             ("accl2", p["Accl2"]), ("accl3", p["Accl3"])):  # Adam, Adaptive
             for weight, value in state.get(key, {}).items():
                 out[prefix + weight] = np.asarray(value)
-                if "step" in state:
-                    out[p["Step"] + weight] = np.asarray(state["step"], np.float32).reshape(())
+                if "step" in state:  # a grouped weight's: one per group (as PopART keeps it)
+                    step = np.asarray(state["step"], np.float32).reshape(())
+                    grouping = self._groupings.get(weight)
+                    out[p["Step"] + weight] = np.full((grouping.groups,), step) if grouping \
+                        else step
         return out
 
     def getAllTensorIds(self) -> set[str]:

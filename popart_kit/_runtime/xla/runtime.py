@@ -34,6 +34,13 @@ from . import profiling
 from .anchors import AnchorBuffers, chunk_size
 from .distributed import initialize, watching, world
 from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
+from .grouped import (
+    check_grouped_weights,
+    full_values,
+    groupings_for,
+    replica_model,
+    replica_rows,
+)
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
 from .ops import partials
@@ -75,7 +82,12 @@ class XlaBackend:
             initialize(config.replication)
         ensure_host_devices()  # before the lowering starts JAX
         self.model, self.config = model, config
-        self.graph: LoweredGraph = lower(model)  # refuses unsupported operators, all at once
+        # weights with one value per group of replicas (VariableSettings; see grouped.py):
+        # lowered with their replica shape, kept [groups, *shape] in the state
+        self.groupings = groupings_for(model, config)
+        self.graph: LoweredGraph = lower(  # refuses unsupported operators, all at once
+            replica_model(model, self.groupings))
+        check_grouped_weights(self.groupings, self.graph)
         problems = self._problems(anchors, micro_batches_per_chunk, pipeline_workers)
         options = all(p.loc[0] in ("micro_batches_per_chunk", "pipeline_workers")
                       for p in problems)  # only the session's own arguments are wrong
@@ -106,8 +118,9 @@ class XlaBackend:
         self.on_host = loops_on_host(model, self.placement.platform, self.placement.several,
                                      self._trips())
         self._lock = threading.RLock()
+        initial = {**self.graph.weights, **full_values(model, self.groupings)}
         self.state = SessionState(self.placement.put_everywhere(
-            {k: jnp.asarray(v) for k, v in self.graph.weights.items()}),
+            {k: jnp.asarray(v) for k, v in initial.items()}),
             updates=self.placement.put_everywhere(np.int32(0)))
         self.hyper: Any = None  # the optimizer's hyperparameters on the device (training)
         self.prepared = False
@@ -284,16 +297,19 @@ class XlaBackend:
         fixed = {k: v for k, v in chunk.items()
                  if k in self.io.inputs and self.io.inputs[k].broadcast}
         streams = {k: v for k, v in chunk.items() if k not in fixed}
+        # each replica's row of the grouped weights: [per_device, *shape] each
+        rows = replica_rows(weights, self.groupings, self.placement.per_device,
+                            self.placement.axes if self.placement.several else None)
 
         def micro_batch(s: Any, f: Any, o: Any) -> Any:
-            def one(x: Any, d: Any) -> Any:  # a replica: its random operators draw from
-                x = dict(x)                  # its own seed
+            def one(x: Any, d: Any, g: Any) -> Any:  # a replica: its random operators draw
+                x, w = dict(x), {**weights, **g}     # from its own seed
                 if RANDOM_STREAM not in x:
-                    return self.graph.evaluate(weights, {**x, **f}, wanted, d)
+                    return self.graph.evaluate(w, {**x, **f}, wanted, d)
                 with random_scope(x.pop(RANDOM_STREAM), self.training):
-                    return self.graph.evaluate(weights, {**x, **f}, wanted, d)
+                    return self.graph.evaluate(w, {**x, **f}, wanted, d)
 
-            return vmap(one, self.placement.per_device, (0, 0), LOCAL_REPLICA)(s, o)
+            return vmap(one, self.placement.per_device, (0, 0, 0), LOCAL_REPLICA)(s, o, rows)
 
         return vmap(micro_batch, self.chunk, (0, 0, 0))(streams, fixed, dict(offsets or {}))
 
@@ -322,7 +338,9 @@ class XlaBackend:
                      for s in self._inputs.values())  # this process's
         anchors = self.buffers.nbytes()
         host_copies = 2 if self.placement.platform == "cpu" else 1
-        weights = sum(int(v.nbytes) for v in self.graph.weights.values())
+        weights = sum(int(v.nbytes) for v in self.graph.weights.values()) + sum(
+            (g.groups - 1) * int(self.graph.weights[n].nbytes)  # a grouped weight's other
+            for n, g in self.groupings.items())                 # groups
         parts = {"inputs on the device": inputs,
                  "anchors (device and host)": host_copies * sum(anchors.values()),
                  "weights": weights, "program temporaries": temporaries}
@@ -436,7 +454,11 @@ class XlaBackend:
                 for name, value in self.placement.fetch(current).items()}
 
     def write_weights(self, mapping: Mapping[str, np.ndarray]) -> None:
-        check_weights(self.graph.weights, mapping)
+        """New values of some weights, each of its shape in the state (a grouped weight's
+        [groups, *shape])."""
+        check_weights({k: np.broadcast_to(np.zeros((), v.dtype), (g.groups, *g.shape))
+                       if (g := self.groupings.get(k)) else v
+                       for k, v in self.graph.weights.items()}, mapping)
         new = self.placement.put_everywhere({k: jnp.asarray(v) for k, v in mapping.items()})
         with self._lock:
             self.state = self.state.with_weights(new)

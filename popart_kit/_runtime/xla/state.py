@@ -90,11 +90,14 @@ class Reduction:
     runs over (empty: the program already holds the sum), as one all-reduce of the flattened
     gradients when ``flat`` (between processes: one message instead of one per weight), then
     divided by ``divisor`` (1 for ``reduction='sum'``; accumulation factor x global replicas
-    for ``'mean'``, as PopART's Post accumulation-reduction strategy does)."""
+    for ``'mean'``, as PopART's Post accumulation-reduction strategy does), or by a weight's
+    own entry of ``divisors`` ((name, divisor) pairs: a grouped weight's under the Running
+    strategy, see :mod:`.grouped`)."""
 
     axes: tuple[str, ...] = ()
     flat: bool = False
     divisor: int = 1
+    divisors: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, config: Any, axes: Sequence[str] = (), flat: bool = False) -> Reduction:
@@ -109,8 +112,10 @@ def reduce_gradients(grads: Mapping[str, Any], reduction: Reduction) -> dict[str
         grads = sum_over_instances(grads, reduction.axes, "process")
     elif reduction.axes:
         grads = jax.lax.psum(dict(grads), reduction.axes)
-    if reduction.divisor != 1:
-        grads = {n: g / reduction.divisor for n, g in grads.items()}
+    own = dict(reduction.divisors)
+    if reduction.divisor != 1 or own:
+        grads = {n: g if own.get(n, reduction.divisor) == 1 else g / own.get(n, reduction.divisor)
+                 for n, g in grads.items()}
     return dict(grads)
 
 

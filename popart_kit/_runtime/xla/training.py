@@ -4,7 +4,8 @@ One ``run`` is bps weight updates. Each update accumulates, in one gradient accu
 gradient of the loss summed over chunks of its A micro-batches on every local replica, and
 makes the update with :func:`~.state.apply_update`: reduced once over the replicas of every
 instance - a sum, divided by A x the global replica count for Mean, as PopART's Post strategy
-does - then the optimizer. Hyperparameters live on the device and change only through
+does; a grouped weight's (VariableSettings) within each of its groups, see :mod:`.grouped` -
+then the optimizer. Hyperparameters live on the device and change only through
 ``set_optimizer``, so changing them never recompiles.
 
 A run is atomic: the executor computes a new :class:`~.state.SessionState` beside the
@@ -34,8 +35,11 @@ from ..._base.names import GRADIENT_PREFIX, RESTORED_PREFIX
 from ..._base.problems import Problem, raise_errors, warn
 from ..._base.shapes import AnchorReturnType
 from ..._model.builder_subgraphs import node_reads
+from ...errors import ConfigError
 from . import loss_scaling as als
 from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
+from .grouped import RULE as GROUPED_RULE
+from .grouped import group_divisors, optimizer_problems
 from .host_exchange import min_over_instances
 from .lowering import recomputation
 from .ops_random import draws_random
@@ -115,6 +119,9 @@ class XlaTrainingBackend(XlaBackend):
                 "pass the loss of the model, whose weights come from addInitializedInputTensor.",
                 "K-no-weights"))
         raise_errors("TrainingSession", problems)
+        grouped = optimizer_problems(self.groupings, self.trained, self.optimizer)
+        if grouped:
+            raise ConfigError(grouped[0], rule=GROUPED_RULE)
         trained = {k: self.state.weights[k] for k in self.trained}
         self.state = SessionState(self.state.weights,
                                   self.placement.put_everywhere(self.optimizer.init(trained)),
@@ -122,9 +129,10 @@ class XlaTrainingBackend(XlaBackend):
                                   () if self.als is None else self.placement.put_everywhere(
                                       np.ones((), np.float32)))
         self.hyper = self._device_hyper(self.optimizer)
-        self.reduction = Reduction.of(self.config, self.placement.axes
-                                      if self.placement.several else (),
-                                      flat=self.placement.distributed)
+        self.reduction = replace(
+            Reduction.of(self.config, self.placement.axes if self.placement.several else (),
+                         flat=self.placement.distributed),
+            divisors=tuple(group_divisors(self.groupings, self.config).items()))
 
     # -- automatic loss scaling (see loss_scaling) -------------------------------------------
 
