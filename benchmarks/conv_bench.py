@@ -1,18 +1,22 @@
 """Convolutions on the xla backend (CPU) against onnxruntime, forward and backward.
 
     python benchmarks/conv_bench.py [--repeat 9] [--only forward,backward] [--dtype fp32,fp16]
-                                    [--rows big,resnet3x3,...]
+                                    [--rows big,resnet3x3,...] [--stat median|min]
 
 Each row is one ONNX model, Conv + Relu (weights as initializers, the input fed), timed
 interleaved in one process (medians of --repeat, after a warm-up):
 
 * forward: onnxruntime's ``run``, the kit's ``InferenceSession.run`` at bps 1, the raw lowered
-  op (``jax.jit`` of the lowered graph, no session around it) and XLA's NCHW convolution (what
-  the lowering was before ops_conv.py). Ratios are onnxruntime's time / the kit's (goal
-  >= 1.0x).
-* backward: the gradient of sum(y ** 2) with respect to the input and the weights through the
-  lowered op, against the same gradient of XLA's NCHW convolution (the lowering before; goal:
-  no slower, >= 1.0x). onnxruntime has no gradient.
+  op (``jax.jit`` of the lowered graph, no session around it), the same with onnxruntime's MLAS
+  kept out (``xla``: :func:`~popart_kit._runtime.xla.ops_conv.xla_lowering_for`'s lowering,
+  what 24ef92a ran), with MLAS forced (``mlas``, whether chosen or not: what the choice of
+  :func:`~popart_kit._runtime.xla.ops_conv.mlas_wins` rests on) and XLA's NCHW convolution
+  (``nchw``, what the lowering was before ops_conv.py). Ratios are onnxruntime's time / each
+  (goal >= 1.0x); ``xla/raw`` is the xla column's time / the raw op's (goal >= 1.0x: the
+  choice is no slower than XLA's lowering).
+* backward (training): forward and gradient of sum(y ** 2) with respect to the input and the
+  weights through the lowered op, against the same through the ``xla`` lowering and XLA's
+  NCHW convolution (goal: no slower, >= 1.0x). onnxruntime has no gradient.
 
 Which lowering ops_conv.py chose is printed per row. Timings are noisy on a shared machine:
 compare ratios of one run, and quote ``uptime``'s load average with them.
@@ -21,9 +25,10 @@ compare ratios of one run, and quote ``uptime``'s load average with them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +38,9 @@ from jax import lax
 from onnx import helper, numpy_helper
 
 import popart_kit as pk
+from popart_kit._runtime.xla import conv_mlas, ops_conv
 from popart_kit._runtime.xla.lowering import lower
-
-try:
-    from popart_kit._runtime.xla.ops_conv import lowering_for
-except ImportError:  # a checkout from before ops_conv.py, for its "before" figures
-    def lowering_for(x_shape, w_shape, group) -> str:
-        return "xla nchw"
+from popart_kit._runtime.xla.ops_conv import lowering_for
 
 #: name: (description, (N, C, H, W), (M, C/g, kH, kW), stride, pad, group)
 ROWS = {
@@ -61,9 +62,13 @@ ROWS = {
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
+STAT = "median"
+
+
 def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
-    """Median seconds of each function, called in turn (:func:`popart_kit.bench.interleaved`)."""
-    return {name: s.median for name, s in pk.bench.interleaved(repeat, **fns).items()}
+    """Median (or ``--stat min``: fastest) seconds of each function, called in turn
+    (:func:`popart_kit.bench.interleaved`)."""
+    return {name: getattr(s, STAT) for name, s in pk.bench.interleaved(repeat, **fns).items()}
 
 
 def model_of(row: str, dtype: type) -> tuple[bytes, np.ndarray, dict]:
@@ -85,6 +90,27 @@ def model_of(row: str, dtype: type) -> tuple[bytes, np.ndarray, dict]:
     return model.SerializeToString(), rng.standard_normal(x_shape).astype(dtype), attrs
 
 
+@contextlib.contextmanager
+def patched(module: object, name: str, value: object) -> Iterator[None]:
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def compiled(fn: Callable, *args: object, mlas: str = "chosen") -> Callable:
+    """``fn`` compiled for ``args``: with the lowering ops_conv.py chooses (``"chosen"``), with
+    onnxruntime counted unavailable (``"off"``: XLA's lowering) or MLAS forced on every float32
+    4-D Conv (``"forced"``)."""
+    context = {"chosen": contextlib.nullcontext(),
+               "off": patched(conv_mlas, "available", lambda: False),
+               "forced": patched(ops_conv, "mlas_wins", lambda x, w, g: len(x) == 4)}[mlas]
+    with context:  # a new function each time: jax.jit would reuse an earlier trace of fn
+        return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+
+
 def before(x: jax.Array, w: jax.Array, attrs: dict) -> jax.Array:
     """The lowering before ops_conv.py: XLA's convolution on NCHW operands, then Relu."""
     pad = attrs["pads"][0]
@@ -102,26 +128,36 @@ def forward_row(repeat: int, row: str, dtype_name: str) -> None:
         mode="inference", batches_per_step=1, device={"target": "offline"}), backend="xla")
     inputs = {"x": x}
     graph = lower(model)
-    raw = jax.jit(lambda w, x: graph.evaluate(w, {"x": x}, ["y"])["y"])
-    old = jax.jit(functools.partial(before, attrs=attrs))
+
+    def lowered(w, x):
+        return graph.evaluate(w, {"x": x}, ["y"])["y"]
+
     xd, wd = jnp.asarray(x), jnp.asarray(graph.weights["w"])
-    np.testing.assert_allclose(np.asarray(raw(graph.weights, xd), np.float32),
-                               ort_session.run(None, inputs)[0].astype(np.float32),
-                               rtol=2e-2, atol=2e-2)
+    raw = compiled(lowered, graph.weights, xd)
+    xla = compiled(lowered, graph.weights, xd, mlas="off")
+    mlas = compiled(lowered, graph.weights, xd, mlas="forced")
+    old = compiled(functools.partial(before, attrs=attrs), xd, wd)
+    want = ort_session.run(None, inputs)[0].astype(np.float32)
+    for fn in (raw, xla, mlas):
+        np.testing.assert_allclose(np.asarray(fn(graph.weights, xd), np.float32), want,
+                                   rtol=2e-2, atol=2e-2)
     t = interleaved(repeat, ort=lambda: ort_session.run(None, inputs),
                     session=functools.partial(sess.run, inputs),
                     raw=lambda: raw(graph.weights, xd).block_until_ready(),
-                    before=lambda: old(xd, wd).block_until_ready())
-    print(f"{dtype_name:<8} {ROWS[row][0]:<52} {t['ort'] * 1e3:>9.2f}ms "
-          f"{t['session'] * 1e3:>7.2f}ms {t['ort'] / t['session']:>5.2f}x "
-          f"{t['raw'] * 1e3:>7.2f}ms {t['ort'] / t['raw']:>5.2f}x "
-          f"{t['before'] * 1e3:>7.2f}ms {t['ort'] / t['before']:>5.2f}x  "
-          f"{lowering_for(x.shape, ROWS[row][2], attrs['group'])} (goal >= 1.0x)", flush=True)
+                    xla=lambda: xla(graph.weights, xd).block_until_ready(),
+                    mlas=lambda: mlas(graph.weights, xd).block_until_ready(),
+                    nchw=lambda: old(xd, wd).block_until_ready())
+    lowering = lowering_for(x.shape, ROWS[row][2], attrs["group"], x.dtype)
+    cells = " ".join(f"{t[k] * 1e3:>7.2f}ms {t['ort'] / t[k]:>5.2f}x"
+                     for k in ("session", "raw", "xla", "mlas", "nchw"))
+    print(f"{dtype_name:<5} {ROWS[row][0]:<50} {t['ort'] * 1e3:>8.2f}ms {cells} (goal >= 1.0x)"
+          f"  {t['xla'] / t['raw']:>5.2f}x (goal >= 1.0x)  {lowering}", flush=True)
 
 
 def forward(repeat: int, dtypes: list[str], rows: list[str]) -> None:
-    print(f"\nforward  {'row':<52} {'onnxruntime':>11} {'session':>9} {'ratio':>6} "
-          f"{'raw op':>9} {'ratio':>6} {'before':>9} {'ratio':>6}  lowering")
+    head = " ".join(f"{name:>9} {'ratio':>5}" for name in ("session", "raw op", "xla", "mlas",
+                                                            "nchw"))
+    print(f"\nforward {'row':<48} {'onnxrt':>10} {head} {'':>14}  xla/raw {'':<14} lowering")
     for dtype_name in dtypes:
         for row in rows:
             forward_row(repeat, row, dtype_name)
@@ -137,23 +173,29 @@ def backward_row(repeat: int, row: str, dtype_name: str) -> None:
     def old_loss(w, x):
         return jnp.sum(before(x, w["w"], attrs).astype(jnp.float32) ** 2)
 
-    new = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    old = jax.jit(jax.grad(old_loss, argnums=(0, 1)))
     xd, wd = jnp.asarray(x), {"w": jnp.asarray(graph.weights["w"])}
-    got, want = new(wd, xd), old(wd, xd)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        scale = float(jnp.max(jnp.abs(w.astype(jnp.float32)))) or 1.0
-        error = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
-        assert error <= 2e-2 * scale, (row, dtype_name, error, scale)
+    grad = jax.grad(loss, argnums=(0, 1))
+    new = compiled(grad, wd, xd)
+    xla = compiled(grad, wd, xd, mlas="off")
+    old = compiled(jax.grad(old_loss, argnums=(0, 1)), wd, xd)
+    want = old(wd, xd)
+    for fn in (new, xla):
+        for g, w in zip(jax.tree.leaves(fn(wd, xd)), jax.tree.leaves(want), strict=True):
+            scale = float(jnp.max(jnp.abs(w.astype(jnp.float32)))) or 1.0
+            error = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
+            assert error <= 2e-2 * scale, (row, dtype_name, error, scale)
     t = interleaved(repeat, new=lambda: jax.block_until_ready(new(wd, xd)),
+                    xla=lambda: jax.block_until_ready(xla(wd, xd)),
                     old=lambda: jax.block_until_ready(old(wd, xd)))
-    print(f"{dtype_name:<8} {ROWS[row][0]:<52} {t['new'] * 1e3:>9.2f}ms "
-          f"{t['old'] * 1e3:>7.2f}ms {t['old'] / t['new']:>5.2f}x  "
-          f"{lowering_for(x.shape, ROWS[row][2], attrs['group'])} (goal >= 1.0x)", flush=True)
+    print(f"{dtype_name:<5} {ROWS[row][0]:<50} {t['new'] * 1e3:>9.2f}ms "
+          f"{t['xla'] * 1e3:>7.2f}ms {t['xla'] / t['new']:>5.2f}x "
+          f"{t['old'] * 1e3:>7.2f}ms {t['old'] / t['new']:>5.2f}x (goal >= 1.0x)  "
+          f"{lowering_for(x.shape, ROWS[row][2], attrs['group'], x.dtype)}", flush=True)
 
 
 def backward(repeat: int, dtypes: list[str], rows: list[str]) -> None:
-    print(f"\nbackward {'row':<52} {'lowered op':>11} {'before':>9} {'ratio':>6}  lowering")
+    print(f"\nbackward {'row':<49} {'lowered op':>11} {'xla':>9} {'ratio':>6} {'nchw':>9} "
+          f"{'ratio':>6} {'':>14}  lowering")
     for dtype_name in dtypes:
         for row in rows:
             backward_row(repeat, row, dtype_name)
@@ -165,11 +207,15 @@ def main() -> None:
     parser.add_argument("--only", default="forward,backward")
     parser.add_argument("--dtype", default="fp32,fp16")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--stat", default="median", choices=["median", "min"],
+                        help="min: the fastest call, steadier on a loaded machine")
     args = parser.parse_args()
+    global STAT
+    STAT = args.stat
     dtypes, rows = args.dtype.split(","), args.rows.split(",")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f}, {os.cpu_count()} cpus, jax {jax.__version__}, "
-          f"onnxruntime {ort.__version__}")
+          f"onnxruntime {ort.__version__}, MLAS block {conv_mlas.block_size()}, {args.stat}s")
     sections = {"forward": forward, "backward": backward}
     for name in args.only.split(","):
         sections[name](args.repeat, dtypes, rows)

@@ -7,6 +7,11 @@ against jax.grad of lax.conv_general_dilated, also under vmap, checkpoint and a 
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +21,7 @@ import pytest
 from jax import lax
 from onnx import helper
 
+from popart_kit._runtime.xla import conv_mlas, ops_conv
 from popart_kit._runtime.xla.lowering import lower
 from popart_kit._runtime.xla.ops_conv import lowering_for
 
@@ -194,3 +200,156 @@ def test_custom_gradient_under_vmap_checkpoint_and_loops():
     got = jax.jit(jax.vmap(lambda w, x: looped(w, x, jax.checkpoint(kit))))(ws, xs)
     want = jax.jit(jax.vmap(lambda w, x: looped(w, x, ref)))(ws, xs)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# -- onnxruntime's MLAS through buffer_callback (conv_mlas.py) ----------------------------------
+
+# (x shape, w shape, attributes, the layout MLAS takes on a machine of 16-channel blocks)
+MLAS_CONVS = {
+    "dense blocked, odd channels, strided dilated": (
+        (2, 20, 11, 10), (24, 20, 3, 2),
+        dict(strides=[2, 1], dilations=[1, 2], pads=[1, 0, 2, 1]), "nchwc"),
+    "few input channels": ((2, 3, 12, 9), (16, 3, 4, 4), dict(strides=[2, 2], pads=[3] * 4),
+                           "nchwc_bo"),
+    "grouped blocks": ((1, 32, 6, 7), (32, 16, 3, 3), dict(group=2, pads=[1] * 4), "nchwc"),
+    "grouped small": ((2, 8, 7, 6), (12, 2, 3, 3), dict(group=4, pads=[0, 1, 1, 0]), "nchw"),
+    "depthwise": ((1, 16, 7, 7), (16, 1, 3, 3), dict(group=16, pads=[1] * 4), "nchwc_bo"),
+}
+
+
+def mlas_args(case, bias=True):
+    """The case's operands and geometry (strides, pads, dilations, group) as conv_mlas takes
+    them, and its model."""
+    x_shape, w_shape, attrs, _ = MLAS_CONVS[case]
+    model = conv_model(x_shape, w_shape, bias=bias, **attrs)
+    feeds = feeds_for(model)
+    pads = attrs.get("pads", [0] * 4)
+    geometry = (tuple(attrs.get("strides", [1, 1])), ((pads[0], pads[2]), (pads[1], pads[3])),
+                tuple(attrs.get("dilations", [1, 1])), attrs.get("group", 1))
+    return model, feeds, geometry
+
+
+def mlas_and_xla(geometry):
+    """conv_mlas.conv and the XLA lowering it falls back to, of (x, w, b)."""
+    strides, pads, dilations, group = geometry
+    xla = functools.partial(ops_conv._xla_conv, strides=strides, pads=pads, dilations=dilations,
+                            group=group)
+    return (lambda x, w, b=None: conv_mlas.conv(x, w, b, strides, pads, dilations, group, xla),
+            lambda x, w, b=None: xla(x, w, b))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", MLAS_CONVS)
+def test_mlas_matches_onnxruntime_and_xla(case, bias):
+    model, feeds, geometry = mlas_args(case, bias)
+    if conv_mlas.block_size() == 16:
+        x_shape, w_shape, attrs, layout = MLAS_CONVS[case]
+        assert conv_mlas.layout_for(w_shape, attrs.get("group", 1)) == layout
+    mlas, xla = mlas_and_xla(geometry)
+    args = [jnp.asarray(feeds[k]) for k in ("x", "w", "b")[:len(feeds)]]
+    got = np.asarray(jax.jit(mlas)(*args))
+    assert "buffer_callback" in str(jax.make_jaxpr(mlas)(*args))
+    np.testing.assert_allclose(got, run_ort(model, feeds), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(got, np.asarray(jax.jit(xla)(*args)), rtol=1e-5, atol=2e-5)
+
+
+def test_lowering_chooses_mlas_for_large_float32_convolutions_only():
+    """A ResNet 3x3 layer: "mlas" at float32 (and through the lowered model, where its result
+    is onnxruntime's); its XLA lowering at float16, for 1x1 kernels, small ones and depthwise."""
+    big = ((8, 64, 56, 56), (64, 64, 3, 3), 1)
+    assert lowering_for(*big, np.float32) == "mlas"
+    assert lowering_for(*big, np.float16) == lowering_for(*big) == "channels_last"
+    assert lowering_for((8, 256, 14, 14), (256, 256, 1, 1), 1, np.float32) == "channels_last"
+    assert lowering_for((1, 16, 8, 8), (16, 16, 3, 3), 1, np.float32) == "channels_last"
+    assert lowering_for((8, 128, 28, 28), (128, 1, 3, 3), 128, np.float32) == "shifted"
+    assert lowering_for((8, 128, 28, 28), (128, 4, 3, 3), 32, np.float32) == "mlas"
+    model = conv_model((2, 32, 64, 64), (32, 32, 3, 3), bias=True, pads=[1] * 4)
+    assert lowering_for((2, 32, 64, 64), (32, 32, 3, 3), 1, np.float32) == "mlas"
+    graph = lower(model)
+    feeds = feeds_for(model)
+    assert "buffer_callback" in str(jax.make_jaxpr(
+        lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+    np.testing.assert_allclose(run_kit(model, feeds), run_ort(model, feeds), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_mlas_under_vmap_folds_the_batch_or_falls_back():
+    """vmap of the input alone (nested too) folds into N: one callback, of the folded shape;
+    a batched filter runs XLA's lowering, vmapped."""
+    _, feeds, geometry = mlas_args("dense blocked, odd channels, strided dilated")
+    mlas, xla = mlas_and_xla(geometry)
+    x, w, b = (jnp.asarray(feeds[k]) for k in "xwb")
+    xs = jnp.stack([x, 2 * x, -x])
+    folded = jax.vmap(jax.vmap(mlas, (0, None, None)), (0, None, None))
+    text = str(jax.make_jaxpr(folded)(xs[None], w, b))
+    assert text.count("buffer_callback") == 1 and "f32[6,20,11,10]" in text
+    want = jax.vmap(xla, (0, None, None))(xs, w, b)
+    np.testing.assert_allclose(jax.jit(folded)(xs[None], w, b)[0], want, rtol=1e-5, atol=2e-5)
+    ws = jnp.stack([w, -w, w])
+    both = jax.vmap(mlas, (0, 0, None))
+    assert "buffer_callback" not in str(jax.make_jaxpr(both)(xs, ws, b))
+    np.testing.assert_allclose(jax.jit(both)(xs, ws, b), jax.vmap(xla, (0, 0, None))(xs, ws, b),
+                               rtol=1e-5, atol=2e-5)
+
+
+def test_mlas_gradients_are_the_xla_lowerings_inside_scan_and_fori_loop():
+    """The forward inside lax.scan equals the XLA lowering's, and the gradient inside a
+    fori_loop (device iterations) is the XLA lowering's own: bit for bit, for a loss linear in
+    the output (whose gradient does not read the forward's result)."""
+    _, feeds, geometry = mlas_args("grouped small")
+    mlas, xla = mlas_and_xla(geometry)
+    x, w, b = (jnp.asarray(feeds[k]) for k in "xwb")
+    xs = jnp.stack([x, 2 * x, -x])
+
+    def scanned(fn):
+        return lax.scan(lambda c, xi: (c + jnp.sum(fn(xi, w, b)), fn(xi, w, b)), 0.0, xs)
+
+    (total, ys), (want_total, want) = jax.jit(lambda: scanned(mlas))(), scanned(xla)
+    np.testing.assert_allclose(ys, want, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(total, want_total, rtol=1e-4)
+
+    probe = jnp.asarray(RNG.standard_normal(want.shape[1:]), jnp.float32)
+
+    def looped(fn):
+        grad = jax.grad(lambda x, w, b: jnp.sum(fn(x, w, b) * probe), argnums=(0, 1, 2))
+        return lax.fori_loop(0, 2, lambda i, acc: jax.tree.map(jnp.add, acc, grad(x, w, b)),
+                             jax.tree.map(jnp.zeros_like, (x, w, b)))
+
+    got, want = jax.jit(lambda: looped(mlas))(), jax.jit(lambda: looped(xla))()
+    for g, r, name in zip(got, want, "xwb", strict=True):
+        np.testing.assert_array_equal(g, r, err_msg=f"d{name}")
+
+
+def test_mlas_runs_from_several_threads():
+    """Pipeline stages call compiled programs from threads: concurrent calls of one program
+    (one onnxruntime session, an io_binding per call) each get their own result."""
+    _, feeds, geometry = mlas_args("few input channels")
+    mlas, xla = mlas_and_xla(geometry)
+    w, b = jnp.asarray(feeds["w"]), jnp.asarray(feeds["b"])
+    fn = jax.jit(mlas)
+    xs = [jnp.asarray(feeds["x"]) * (i + 1) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: np.asarray(fn(x, w, b)), xs))
+    for x, y in zip(xs, got, strict=True):
+        np.testing.assert_allclose(y, xla(x, w, b), rtol=1e-5, atol=2e-5)
+
+
+def test_mlas_unavailable_falls_back_to_xla(monkeypatch):
+    """Without onnxruntime or jax's buffer_callback (the one cached check) a Conv MLAS would
+    run takes its XLA lowering."""
+    monkeypatch.setattr(conv_mlas, "available", lambda: False)
+    x_shape, w_shape = (2, 32, 64, 64), (32, 32, 3, 3)
+    assert lowering_for(x_shape, w_shape, 1, np.float32) == "channels_last"
+    model = conv_model(x_shape, w_shape, pads=[1] * 4)
+    graph = lower(model)
+    feeds = feeds_for(model)
+    assert "buffer_callback" not in str(jax.make_jaxpr(
+        lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+    np.testing.assert_allclose(run_kit(model, feeds), run_ort(model, feeds), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_importing_popart_kit_does_not_import_onnxruntime():
+    code = ("import sys, popart_kit, popart_kit._runtime.xla.ops_conv; "
+            "assert 'onnxruntime' not in sys.modules, 'onnxruntime imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

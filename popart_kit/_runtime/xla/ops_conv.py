@@ -1,5 +1,5 @@
-"""Conv and ConvTranspose on the xla backend, with the lowering chosen per shape for XLA:CPU
-(:func:`lowering_for`). Measured against onnxruntime and against XLA's NCHW convolution (the
+"""Conv and ConvTranspose on the xla backend, with the lowering chosen per shape and type for
+the CPU (:func:`lowering_for`). Measured against onnxruntime and against XLA's NCHW convolution (the
 lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core machine:
 
 * ``channels_last``: XLA's own convolution on channels-last operands, transposed at the op's
@@ -29,22 +29,43 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   forward rule is XLA's): the multiply-adds' weight gradient, reduced over the batch, is 5-10x
   slower than XLA's, and XLA's gradient after the multiply-adds' forward 2x.
 
+* ``mlas``: onnxruntime's MLAS convolution (:mod:`.conv_mlas`), float32 on the CPU only, where
+  :func:`mlas_wins`: a one-Conv onnxruntime session per shape, run inside the XLA program by
+  ``jax.experimental.buffer_callback`` on XLA's own buffers (``io_binding``: no copies), in
+  MLAS's channel-blocked (NCHWc) layout as onnxruntime's graph optimizer would choose for
+  constant weights (the filter reordered by XLA each call: the weights are run inputs; with
+  weights as plain run inputs instead, MLAS's NCHW path measured 1.5-2x slower on the ResNet
+  3x3). Its gradient is the XLA lowering's (:func:`xla_lowering_for`; a custom_vjp); half
+  precision and other platforms (:func:`jax.lax.platform_dependent`) run XLA's lowering. Under
+  vmap the batch folds into N. Measured (fp32 Conv+Relu, medians and fastest of interleaved
+  calls, load average 4-7): 4->64 k4 s2 at 540x960 and the 3->64 7x7 s2 ResNet stem 2-3x XLA;
+  3x3 64->64 at 56x56 batch 8 1.2-1.5x; 3x3 512->512 at 7x7 batch 8 1.1-1.2x; grouped 3x3
+  (32 groups of 4 channels) 2-3.5x ``split``. Not chosen: 1x1 kernels (0.6-1.1x: XLA's
+  1x1 convolution is a GEMM as good as MLAS's), convolutions under :data:`MLAS_MIN_WORK`
+  multiply-adds (3x3 32->32 at 16x16: 0.6-0.7x, the callback's fixed tens of microseconds),
+  grouped ones of 16 or more channels per group (0.65-1.1x ``split``), ``shifted`` ones
+  (depthwise 3x3 at 28x28x128 batch 8: 0.3-0.6x; MNIST's 1->32 k5: 0.2-0.9x), 1-D and 3-D
+  (not measured). What stays between the kit and onnxruntime there: Relu (fused into the
+  convolution by onnxruntime, a separate pass over the output here) and the filter reorder.
+  onnxruntime's intra-op threads: one per CPU the process may use (XLA's pool's size; one
+  thread was 1.5-5x slower on the larger rows), spinning off (spinning threads fought XLA's:
+  up to 2x slower on the depthwise row). A program holding a callback is not kept by the
+  persistent compilation cache (JAX does not serialise host callbacks).
+
 Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
 convolution but for 1x1, where it is even); space-to-depth for the strided 4x4 kernel (no
-gain); block-diagonal dense weights for grouped convolutions (slower than ``split``); and
-onnxruntime's MLAS through ``jax.pure_callback``: weights as a run input lose MLAS's
-pre-packing (2x on the ResNet 3x3), and the callback's copies and thread hand-off put it
-1.1-3x behind XLA. XLA:CPU's library flags in jaxlib 0.10.2 offer nothing more: YNNPACK takes
-channels-last convolutions by default, ``xla_cpu_experimental_xnn_fusion_type`` /
-``..._onednn_fusion_type`` = INDIVIDUAL_CONVOLUTION leave convolutions to XLA, and turning
-YNNPACK off (``xla_cpu_experimental_ynn_fusion_type`` empty) is slower.
-
-What is left against onnxruntime is XLA's GEMM and YNNPACK's convolution against MLAS's
-(dense 3x3 and 1x1 layers 1.5-2.5x behind, the 4->64 k4 s2 one 3-5x).
+gain); block-diagonal dense weights for grouped convolutions (slower than ``split``);
+onnxruntime's MLAS through ``jax.pure_callback`` (the callback's copies and thread hand-off
+put it 1.1-3x behind XLA; ``buffer_callback`` above has neither). XLA:CPU's library flags in
+jaxlib 0.10.2 offer nothing more: YNNPACK takes channels-last convolutions by default,
+``xla_cpu_experimental_xnn_fusion_type`` / ``..._onednn_fusion_type`` = INDIVIDUAL_CONVOLUTION
+leave convolutions to XLA, and turning YNNPACK off (``xla_cpu_experimental_ynn_fusion_type``
+empty) is slower.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -54,22 +75,59 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import conv_mlas
 from .ops import _HALF, Ctx, _accumulator, _channel_bias, _check_auto_pad, _geometry, op
 
-__all__ = ["SHIFTED_MAX_TAPS", "SPLIT_MAX_GROUPS", "conv", "conv_transpose", "lowering_for"]
+__all__ = ["MLAS_MAX_GROUP_CHANNELS", "MLAS_MIN_GROUPED_WORK", "MLAS_MIN_WORK",
+           "SHIFTED_MAX_TAPS", "SPLIT_MAX_GROUPS", "conv", "conv_transpose", "lowering_for",
+           "mlas_wins", "xla_lowering_for"]
 
 #: The most kernel taps (product of the kernel's sizes) the shifted lowering unrolls.
 SHIFTED_MAX_TAPS = 49
 #: The most groups a grouped convolution is split into (one dense convolution each); more
 #: take XLA's grouped convolution.
 SPLIT_MAX_GROUPS = 64
+#: The fewest multiply-adds (at stride 1) of a Conv run by onnxruntime's MLAS: below, XLA's
+#: convolution and the callback's fixed cost measured about even or better.
+MLAS_MIN_WORK = 1 << 26
+#: The same for grouped convolutions (XLA's ``split`` is many small convolutions).
+MLAS_MIN_GROUPED_WORK = 1 << 20
+#: Grouped convolutions of this many input channels per group or more stay on ``split``.
+MLAS_MAX_GROUP_CHANNELS = 16
 
 
-def lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> str:
-    """The lowering a Conv of these shapes takes: ``"shifted"`` when each output channel reads
+def lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int,
+                 dtype: Any = None) -> str:
+    """The lowering a Conv of these shapes takes on the CPU: ``"mlas"`` for float32 ``dtype``
+    where :func:`mlas_wins` and onnxruntime is available (:func:`conv_mlas.available`), else
+    :func:`xla_lowering_for`'s."""
+    if (dtype is not None and np.dtype(dtype) == np.float32 and mlas_wins(x_shape, w_shape, group)
+            and conv_mlas.available()):
+        return "mlas"
+    return xla_lowering_for(x_shape, w_shape, group)
+
+
+def mlas_wins(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> bool:
+    """Whether onnxruntime's MLAS convolution measured faster than XLA's lowering for a float32
+    Conv of these shapes (the module docs): two spatial axes, a kernel of more than one tap, not
+    one :func:`xla_lowering_for` runs as ``"shifted"``, dense or of fewer than
+    :data:`MLAS_MAX_GROUP_CHANNELS` input channels per group, and at least
+    :data:`MLAS_MIN_WORK` multiply-adds at stride 1 (:data:`MLAS_MIN_GROUPED_WORK` grouped)."""
+    if len(x_shape) != 4 or xla_lowering_for(x_shape, w_shape, group) == "shifted":
+        return False
+    taps = int(np.prod(w_shape[2:], dtype=np.int64))
+    if taps == 1 or (group > 1 and w_shape[1] >= MLAS_MAX_GROUP_CHANNELS):
+        return False
+    work = int(np.prod([x_shape[0], *x_shape[2:], w_shape[0], w_shape[1], taps], dtype=np.int64))
+    return work >= (MLAS_MIN_WORK if group == 1 else MLAS_MIN_GROUPED_WORK)
+
+
+def xla_lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> str:
+    """The XLA lowering of a Conv of these shapes: ``"shifted"`` when each output channel reads
     one input channel (depthwise, or one input channel) and the kernel has at most
     :data:`SHIFTED_MAX_TAPS` taps; ``"split"`` for other grouped ones of at most
-    :data:`SPLIT_MAX_GROUPS` groups; else ``"channels_last"``."""
+    :data:`SPLIT_MAX_GROUPS` groups; else ``"channels_last"``. Half precision and platforms
+    other than the CPU always take it; it is the gradient of ``"mlas"``."""
     channels, per_group = x_shape[1], w_shape[1]
     taps = int(np.prod(w_shape[2:], dtype=np.int64))
     if per_group == 1 and channels == group and taps <= SHIFTED_MAX_TAPS and len(w_shape) > 2:
@@ -153,12 +211,10 @@ def _shifted_xla_backward(x: Any, w: Any, strides: Sequence[int],
     return fn(x, w)
 
 
-@op("Conv", check=_check_auto_pad)
-def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
-    """ONNX Conv, lowered by :func:`lowering_for`."""
-    strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
-    group = ctx.attr("group", 1)
-    if lowering_for(x.shape, w.shape, group) == "shifted":
+def _xla_conv(x: Any, w: Any, b: Any, strides: Sequence[int],
+              pads: Sequence[tuple[int, int]], dilations: Sequence[int], group: int) -> Any:
+    """The convolution by :func:`xla_lowering_for`'s lowering, plus the bias ``b`` (or None)."""
+    if xla_lowering_for(x.shape, w.shape, group) == "shifted":
         if x.shape[1] == 1:
             y = _shifted_xla_backward(x, w, strides, pads, dilations)
         else:
@@ -167,6 +223,18 @@ def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
         y = _channels_last(x, w, strides, pads, [1] * len(strides), dilations, group,
                            _accumulator(x))
     return _channel_bias(y, b)
+
+
+@op("Conv", check=_check_auto_pad)
+def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
+    """ONNX Conv, lowered by :func:`lowering_for`."""
+    strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
+    group = ctx.attr("group", 1)
+    xla = functools.partial(_xla_conv, strides=strides, pads=pads, dilations=dilations,
+                            group=group)
+    if lowering_for(x.shape, w.shape, group, x.dtype) == "mlas":
+        return conv_mlas.conv(x, w, b, strides, pads, dilations, group, xla)
+    return xla(x, w, b)
 
 
 @op("ConvTranspose", check=_check_auto_pad)
