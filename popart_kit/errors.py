@@ -132,26 +132,39 @@ class Invalid(PopartKitError, ValidationError):
     popart_text: str | None = None
 
     @classmethod
-    def of(cls, title: str, entries: list[tuple[str, tuple, str, Any]]) -> Invalid:
-        """An error of this class from ``(type, loc, message, value)`` entries."""
-        return cls.from_exception_data(title, [
-            InitErrorDetails(type=PydanticCustomError(kind, "{text}", {"text": text}),
-                             loc=tuple(loc), input=shortened(value))
-            for kind, loc, text, value in entries])
+    def of(cls, title: str, entries: list[tuple]) -> Invalid:
+        """An error of this class from ``(type, loc, message, value)`` entries, each with
+        PopART's own message as an optional fifth item (kept in the entry's ``ctx`` as
+        ``popart``, so it survives pydantic re-raising the error from a validator); when every
+        entry has one, they are the error's :attr:`popart_text`."""
+        details, texts = [], []
+        for kind, loc, text, value, *popart in entries:
+            ctx = {"text": text, **({"popart": popart[0]} if popart and popart[0] else {})}
+            texts.append(ctx.get("popart"))
+            details.append(InitErrorDetails(type=PydanticCustomError(kind, "{text}", ctx),
+                                            loc=tuple(loc), input=shortened(value)))
+        err = cls.from_exception_data(title, details)
+        if texts and all(texts):
+            err.popart_text = "\n".join(texts)
+        return err
+
+    @staticmethod
+    def _entries(err: ValidationError) -> list[tuple]:
+        return [(e["type"], e["loc"], e["msg"], e.get("input"),
+                 (e.get("ctx") or {}).get("popart", "")) for e in err.errors(include_url=False)]
 
     @classmethod
     def wrap(cls, err: ValidationError) -> Invalid:
-        """``err`` (pydantic's) as this class, every entry, type and location kept."""
+        """``err`` (pydantic's) as this class, every entry, type, location and PopART text
+        kept."""
         if isinstance(err, cls):
             return err
-        return cls.of(err.title, [(e["type"], e["loc"], e["msg"], e.get("input"))
-                                  for e in err.errors(include_url=False)])
+        return cls.of(err.title, cls._entries(err))
 
     @classmethod
     def wrap_titled(cls, err: ValidationError, title: str) -> Invalid:
         """``err`` as this class under another title (e.g. the file the values came from)."""
-        return cls.of(title, [(e["type"], e["loc"], e["msg"], e.get("input"))
-                              for e in err.errors(include_url=False)])
+        return cls.of(title, cls._entries(err))
 
 
 class InvalidConfig(ConfigError, Invalid):

@@ -126,17 +126,13 @@ def raise_errors(title: str, problems: Iterable[Problem],
         relaxed = [p for p in problems if p.severity == "error" and p.rule in POPART_RUNS]
         emit_warnings([replace(p, severity="warning") for p in relaxed])
         problems = [p for p in problems if p not in relaxed]
-    entries = [("popart_kit." + p.rule, p.parts, f"{p.text()} (see {p.docs})", p.value)
-               for p in problems if p.severity == "error"]
+    entries = [("popart_kit." + p.rule, p.parts, f"{p.text()} (see {p.docs})", p.value,
+                p.popart) for p in problems if p.severity == "error"]
     if entries and also is not None:
         entries = [(e["type"], e["loc"], e["msg"], e.get("input"))
                    for e in also.errors(include_url=False)] + entries
     if entries:
-        err = (error or _kind(title)).of(title, entries)
-        texts = [p.popart for p in problems if p.severity == "error"]
-        if all(texts) and also is None:
-            err.popart_text = "\n".join(texts)
-        raise err
+        raise (error or _kind(title)).of(title, entries)  # PopART's texts when all have one
 
 
 def emit_warnings(problems: Iterable[Problem], stacklevel: int | None = None) -> None:

@@ -128,10 +128,12 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def from_session_options(cls: type[SessionFields], opts: Any,
                          rest: Mapping[str, Any]) -> SessionFields:
     get, names = _reader(opts)
-    problems = []
+    problems, popart = [], []  # popart: PopART's messages, where it has them
     if not get("enableGradientAccumulation") and get("accumulationFactor") > 1:
         problems.append(f"enableGradientAccumulation is false but accumulationFactor="
                         f"{get('accumulationFactor')} (PopART rejects this, V19)")
+        popart.append("enableGradientAccumulation is false, but accumulationFactor > 1. Either "
+                      "enable gradient accumulation, or set the accumulation factor to 1")
     if not get("enableReplicatedGraphs") and get("replicatedGraphCount") > 1:
         problems.append(f"enableReplicatedGraphs is false but replicatedGraphCount="
                         f"{get('replicatedGraphCount')} (PopART rejects this, V21)")
@@ -156,8 +158,11 @@ def from_session_options(cls: type[SessionFields], opts: Any,
                         f"{get('accumulationAndReplicationReductionType')!r} leaves gradients "
                         f"unreduced; popart_kit supports Sum and Mean (as PopTorch does)")
     if problems:
-        raise ConfigError("from_session_options: " + "; ".join(problems)
-                         + ". Fix: make the options consistent first.")
+        err = ConfigError("from_session_options: " + "; ".join(problems)
+                          + ". Fix: make the options consistent first.")
+        if len(popart) == len(problems):  # sessionoptions.cpp:257 getAccumulationFactor
+            err.popart_text = "\n".join(popart)
+        raise err
     data: dict[str, Any] = {
         "virtual_graph_mode": _names.kit_name(_names.VIRTUAL_GRAPH_MODE, get("virtualGraphMode")),
         "pipeline": {"enabled": get("enablePipelining"),

@@ -21,7 +21,9 @@ from .._base.arith import (
     pipeline_depth,
     pipeline_fill_micro_batches,
 )
+from .._base.names import VIRTUAL_GRAPH_MODE
 from .._base.problems import Problem
+from .._model.layout import depth_text
 from ..errors import short
 from . import catalog
 
@@ -50,9 +52,11 @@ def check_config(cfg: SessionFields) -> list[Problem]:
     return [p for rule in _RULES for p in rule(cfg)]
 
 
-def _error(loc: str, message: str, fix: str, rule: str, **involved: Any) -> Problem:
+def _error(loc: str, message: str, fix: str, rule: str, *, popart: str = "",
+           **involved: Any) -> Problem:
+    """An error; ``popart`` is PopART's own message, which popart_kit.popart raises."""
     return Problem(loc, message, fix, rule, "error", {k.replace("__", "."): v
-                                                    for k, v in involved.items()})
+                                                    for k, v in involved.items()}, popart)
 
 
 def _warning(loc: str, message: str, fix: str, rule: str, **involved: Any) -> Problem:
@@ -77,20 +81,24 @@ def _replication(cfg: SessionFields) -> Iterator[Problem]:
 def _pipelining_needs_virtual_graphs(cfg: SessionFields) -> Iterator[Problem]:
     if not cfg.pipeline.enabled:
         return
+    # ir.cpp:582 Ir::verifyPipelineSettings, PopART's one message for both
+    popart = (f"Pipelining requires more than 1 IPU (currently {cfg.ipus_per_replica}) and the "
+              f"'virtualGraphMode' session option to not be VirtualGraphMode::Off (currently "
+              f"VirtualGraphMode::{VIRTUAL_GRAPH_MODE.get(cfg.virtual_graph_mode, 'Off')}).")
     if cfg.ipus_per_replica < 2:
         yield _error(
             "ipus_per_replica",
             f"pipelining needs at least 2 IPUs per replica, got ipus_per_replica="
             f"{cfg.ipus_per_replica}.",
             "set ipus_per_replica to the number of IPUs the stages run on (>= 2), "
-            "or pipeline.enabled=false.", "V1",
+            "or pipeline.enabled=false.", "V1", popart=popart,
             ipus_per_replica=cfg.ipus_per_replica, pipeline__enabled=True)
     if cfg.virtual_graph_mode == "off" and cfg.ipus_per_replica >= 2:
         yield _error(
             "virtual_graph_mode",
             "pipelining needs virtual graphs, got virtual_graph_mode='off'.",
             "leave virtual_graph_mode unset or set 'manual' (stages annotated on the model) "
-            "or 'auto'.", "V2", virtual_graph_mode="off", pipeline__enabled=True)
+            "or 'auto'.", "V2", popart=popart, virtual_graph_mode="off", pipeline__enabled=True)
 
 
 @_rule
@@ -129,6 +137,7 @@ def _pipeline_depth(cfg: SessionFields) -> Iterator[Problem]:
                 f"stage needs a micro-batch between two weight updates.",
                 f"set accumulation.factor >= {depth}; the bubble shrinks as it grows "
                 f"({_suggest_fill(depth)} keeps it under {_pct(BUBBLE_WARNING)}).", "V6",
+                popart=depth_text("gradient accumulation factor", depth),
                 accumulation__factor=acc, pipeline__stages=stages, mode=cfg.mode)
     elif bps < depth:
         yield _error(
@@ -138,6 +147,7 @@ def _pipeline_depth(cfg: SessionFields) -> Iterator[Problem]:
             f"set batches_per_step >= {depth}"
             + (" or use gradient accumulation (accumulation.factor >= "
                f"{depth})." if cfg.is_training else "."), "V7",
+            popart=depth_text("batchesPerStep", depth),
             batches_per_step=bps, pipeline__stages=stages, mode=cfg.mode)
 
 
@@ -424,11 +434,16 @@ def _option_rules(cfg: SessionFields) -> Iterator[Problem]:
                          "set explicitRecomputation=true, or aliasZeroCopy=false.", "V17",
                          aliasZeroCopy=True, explicitRecomputation=False)
     if o("createImplicitPipeliningFwdOnlyProgram") and (not implicit_pipelining or acc <= 1):
+        # ir.cpp:674-687 Ir::verifyPipelineSettings, in PopART's order
+        why = ("with explicit pipelining" if explicit_pipelining else
+               "without implicit pipelining" if not implicit_pipelining else
+               "without gradient accumulation")
         yield _error(_option_loc("createImplicitPipeliningFwdOnlyProgram"),
                      f"createImplicitPipeliningFwdOnlyProgram needs implicit pipelining with "
                      f"gradient accumulation (pipeline.enabled={cfg.pipeline.enabled}, "
                      f"accumulation.factor={acc}).",
                      "remove it (it is deprecated), or enable pipelining and accumulation.", "V44",
+                     popart=f"Implicit pipelining forward-only program is not supported {why}.",
                      pipeline__enabled=cfg.pipeline.enabled, accumulation__factor=acc)
 
     ratios = o("virtualGraphSplitRatios")

@@ -814,7 +814,8 @@ class Builder(NodeSettings, SubgraphBuilding):
             if tensor_id not in found:
                 raise BuilderError(f"Tensor '{tensor_id}' is not an initializer")
             if found[tensor_id].data_location == onnx.TensorProto.EXTERNAL:
-                raise BuilderError(f"Tensor '{tensor_id}' is already saved externally")
+                raise BuilderError(f"Tensor '{tensor_id}' already has an external "
+                                   f"data_location")  # onnxutil.cpp:504
         blob = bytearray()
         for tensor_id in dict.fromkeys(ids):
             tensor = found[tensor_id]

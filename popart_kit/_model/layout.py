@@ -44,15 +44,22 @@ _STAGE_LOC, _IPU_LOC = f"model.{PIPELINE_STAGE}", f"model.{VIRTUAL_GRAPH}"
 MAX_MODEL_BYTES = 2**31 - 1
 
 
-def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.ModelProto:
+def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
+               popart_external: bool = False) -> onnx.ModelProto:
     """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path.
 
     Refuses, before reading anything: a path that is not a regular file (a device, a FIFO, a
     directory) and more than :data:`MAX_MODEL_BYTES`. External data is read only for a model
     loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
     of it); a model given as bytes or a ModelProto has no folder, so external data is refused.
+    With ``popart_external`` (popart_kit.popart's sessions and Builder) external data is read
+    as PopART reads it, from any model (see :func:`read_popart_external_data`).
     FLOAT16 weights PopART packed two to an int32 are read in ONNX's form."""
     if isinstance(model, onnx.ModelProto):
+        if popart_external:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            return in_onnx_form(read_popart_external_data(copy))
         _refuse_external_data(model, "this ModelProto")
         return in_onnx_form(model)
     if not isinstance(model, bytes | bytearray | str | os.PathLike):
@@ -63,11 +70,14 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
         if isinstance(model, bytes | bytearray):
             _refuse_size(where, len(model))
             proto = onnx.load_from_string(bytes(model))
-            _refuse_external_data(proto, where)
+            if not popart_external:
+                _refuse_external_data(proto, where)
         else:
             _refuse_special_file(where, os.fspath(model))
-            proto = onnx.load(os.fspath(model))
+            proto = onnx.load(os.fspath(model), load_external_data=not popart_external)
         _refuse_invalid_text(proto, where)
+        if popart_external:
+            read_popart_external_data(proto)
         return in_onnx_form(proto)   # PopART's packed FLOAT16 weights read as ONNX's
     except ModelError:
         raise
@@ -83,6 +93,54 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike) -> onnx.Model
     except Exception as err:  # onnx's ValidationError for bad external data, OSError, ...
         raise ModelError(f"{where} cannot be loaded: {short(str(err), 300)}",
                          rule="K-model-file") from None
+
+
+def read_popart_external_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Read into ``model`` (in place) the data of its tensors kept in external files, as PopART
+    does (onnxutil.cpp:162 ExternalTensorProtoInfo, :260 getConstData): ``location`` is a path,
+    absolute or relative to the working directory (not to the model's folder), ``length``
+    bytes from ``offset``. Refuses, with PopART's messages, a tensor without a location, a
+    location that does not exist, a length <= 0 and a negative offset."""
+    for tensor in _tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        try:
+            offset, length = int(info.get("offset") or 0), int(info.get("length") or 0)
+        except ValueError:
+            offset, length = -1, 0
+        problem = (
+            f"No location information for externally stored tensor '{tensor.name}'"
+            if not location else
+            f"Unrecognised file name '{location}' for externally stored tensor '{tensor.name}'"
+            if not os.path.exists(location) else
+            f"Invalid 'length' information ({length}) for externally stored tensor "
+            f"'{tensor.name}'" if length <= 0 else
+            f"Invalid 'offset' information ({offset}) for externally stored tensor "
+            f"'{tensor.name}'" if offset < 0 else "")
+        data = b""
+        if not problem:
+            try:
+                with open(location, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(length)
+            except OSError as err:
+                problem = f"Failed to open file {location} ({err.strerror})"
+            else:
+                if len(data) != length:
+                    problem = (f"External data of tensor '{tensor.name}' in {location}: "
+                               f"{length} bytes from offset {offset} asked, {len(data)} there")
+        if problem:
+            err = ModelError(f"{problem}. Fix: keep the file the model names where it names "
+                             f"it (PopART reads a relative location from the working "
+                             f"directory).", rule="K-model-external-data")
+            err.popart_text = problem  # type: ignore[attr-defined]
+            raise err
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.raw_data = data
+    return model
 
 
 def _refuse_size(where: str, size: int) -> None:
@@ -173,6 +231,36 @@ class StagedOp:
     stage: int | None
     ipu: int | None
     phase: int | None = None   # its execution phase (__execution_phase), when annotated
+    opid: str = ""             # domain.type:version, as PopART names the operator
+    label: str = ""            # the node's own name ("" when it has none)
+
+    @property
+    def debug_name(self) -> str:
+        """PopART's Op::debugName (op.cpp:1108): Op(name (opid), inputs=[..], outputs=[..])."""
+        opid = self.opid or self.op_type
+        head = f"{self.label} ({opid})" if self.label else opid
+        return (f"Op({head}, inputs=[{', '.join(t for t in self.inputs if t)}], "
+                f"outputs=[{', '.join(t for t in self.outputs if t)}])")
+
+
+def _opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
+    """PopART's text for an operator identifier, domain.type:version (opmanager.cpp:70): ONNX's
+    operators at the version of their schema the model's opset selects, ai.graphcore's at 1."""
+    domain = node.domain or "ai.onnx"
+    if domain == "ai.graphcore":
+        return f"{domain}.{node.op_type}:1"
+    opset = next((int(o.version) for o in model.opset_import
+                  if (o.domain or "ai.onnx") == domain), 0)
+    try:
+        version = onnx.defs.get_schema(node.op_type, opset, "").since_version
+    except onnx.defs.SchemaError:
+        version = opset
+    return f"{domain}.{node.op_type}:{version}"
+
+
+def _popart_vector(items: Sequence[Any]) -> str:
+    """A vector or set as PopART's logging prints it (util.hpp appendSequence): [a b c]."""
+    return "[" + " ".join(str(i) for i in items) + "]"
 
 
 def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:
@@ -194,6 +282,13 @@ def _names(items: Sequence[str]) -> str:
 
 def _count(items: Sequence[str]) -> str:
     return f"{len(items)} {'has' if len(items) == 1 else 'have'}"
+
+
+def depth_text(what: str, depth: int) -> str:
+    """PopART's refusal of too few micro-batches to fill the pipeline
+    (transforms/pipeline.cpp:1389 and :1396)."""
+    return (f"For pipelining, depth ({what}) must equal at least the number of pipeline stages "
+            f"({depth})")
 
 
 def _merged_depth(ipus: Sequence[int]) -> int:
@@ -222,7 +317,8 @@ class PipelineLayout:
                                 tuple(node_reads(node)), tuple(node.output),
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH),
-                                _int_attribute(node, EXECUTION_PHASE)))
+                                _int_attribute(node, EXECUTION_PHASE),
+                                _opid(node, proto), node.name))
         return cls(ops, [t.name for t in proto.graph.initializer])
 
     # -- the model's own rules ----------------------------------------------------------------
@@ -263,7 +359,10 @@ class PipelineLayout:
             out.append(Problem(_STAGE_LOC, f"only some ops have a pipeline stage; "
                                                  f"{_count(missing)} none: {_names(missing)}.",
                                "annotate every op (PipelineBuilder.stage covers a whole block).",
-                               "V4"))
+                               "V4", popart="Only some ops have had their pipeline stage set. "
+                               "Ops missing the pipeline stage:" + "".join(
+                                   f"\n  {op.debug_name}" for op in self.ops
+                                   if op.stage is None)))  # ir.cpp:617
             return out
         stages = sorted({self._stage(op) for op in self.ops if self._stage(op) is not None})
         if stages and stages[-1] != len(stages) - 1:  # sorted and unique: a gap somewhere
@@ -277,12 +376,18 @@ class PipelineLayout:
                                "V8"))
         for stage, ipus in sorted(self._ipus_per_stage().items()):
             if len(ipus) > 1:
-                ops = [op.name for op in self.ops if self._stage(op) == stage]
+                ops = [op for op in self.ops if self._stage(op) == stage]
                 out.append(Problem(_STAGE_LOC,
                                    f"stage {stage} has ops on IPUs {sorted(ipus)} "
-                                   f"({_names(ops)}); a stage runs on exactly one IPU.",
+                                   f"({_names([op.name for op in ops])}); a stage runs on "
+                                   f"exactly one IPU.",
                                    f"put all of stage {stage} on one IPU, or split it into "
-                                   f"stages.", "V5"))
+                                   f"stages.", "V5",
+                                   popart=f"Ops {_popart_vector([op.debug_name for op in ops])} "
+                                   f"have the same pipeline stage {stage}, but different "
+                                   f"virtual graph ids {_popart_vector(sorted(ipus))}. All ops "
+                                   f"with the same pipeline stage must also have the same "
+                                   f"virtual graph id"))  # ir.cpp:660
         out += list(self._flow_problems())
         return out
 
@@ -324,7 +429,11 @@ class PipelineLayout:
                         "data must flow to the same or a later stage: move the consumer later "
                         "or the producer earlier" + (" (or annotate stages explicitly)"
                                                      if self.inferred else "") + ".",
-                        "P9" if self.inferred else "P10")
+                        "P9" if self.inferred else "P10",
+                        # transforms/inferpipelinestages.cpp:54 checkOrder
+                        popart=f"Tensor {tensor} is consumed in an earlier pipeline stage than "
+                        f"it is produced\nProducer {source.debug_name} has pipeline stage "
+                        f"{made}\nConsumer {op.debug_name} has pipeline stage {used}")
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -428,11 +537,13 @@ class PipelineLayout:
                 out.append(Problem("accumulation.factor",
                                    f"accumulation.factor={acc} is below the pipeline depth "
                                    f"{depth} of this model.",
-                                   f"set accumulation.factor >= {depth}.", "V6"))
+                                   f"set accumulation.factor >= {depth}.", "V6",
+                                   popart=depth_text("gradient accumulation factor", depth)))
         elif bps < depth:
             out.append(Problem("batches_per_step",
                                f"batches_per_step={bps} is below the pipeline depth {depth} of "
-                               f"this model.", f"set batches_per_step >= {depth}.", "V7"))
+                               f"this model.", f"set batches_per_step >= {depth}.", "V7",
+                               popart=depth_text("batchesPerStep", depth)))
         return out
 
     def check(self, cfg: SessionFields) -> None:

@@ -3,6 +3,9 @@ as in PopART, and its conversion to a SessionConfig."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import sys
 import types
 import warnings
 from typing import Any
@@ -133,6 +136,12 @@ def _popart_value(type_: str, plain: Any) -> Any:
     return catalog._to_popart(_NS, type_, plain)
 
 
+def _log_warning(message: str) -> None:
+    """A line as PopART's logging::warn writes it to stderr (its default sink and level)."""
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    print(f"{stamp} {os.getpid()} PO:CORE     [W] {message}", file=sys.stderr, flush=True)
+
+
 class SessionOptions:
     """popart.SessionOptions: every attribute of PopART's, with PopART's defaults and types
     (enum members, settings structs, dicts of strings). A session converts them through
@@ -144,6 +153,10 @@ class SessionOptions:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in catalog.DEPRECATED:
+            # popart.cpp:1493-1522: the alias's setter logs PopART's warning (on stderr)
+            _log_warning(f"The session option {name} has been deprecated and will be removed "
+                         f"in a future release. Please use the alias "
+                         f"{catalog.DEPRECATED[name]} instead.")
             warnings.warn(f"SessionOptions.{name} is deprecated; use "
                           f"{catalog.DEPRECATED[name]}.", DeprecationWarning, stacklevel=2)
             name = catalog.DEPRECATED[name]

@@ -37,7 +37,7 @@ import onnx
 
 from .._base.names import GRADIENT_PREFIX
 from .._model.builder_settings import EXCLUDE_PATTERNS, RECOMPUTE_OUTPUT
-from .._model.layout import PipelineLayout
+from .._model.layout import PipelineLayout, depth_text
 from ._core import PATTERNS, Patterns, popart_exception
 
 __all__ = ["check_program", "PATTERN_NAMES", "NEEDS_PATTERN"]
@@ -364,8 +364,7 @@ def check_program(model: onnx.ModelProto, *, training: bool, options: Any,
         if training and options.enablePipelining and options.enableGradientAccumulation:
             depth = PipelineLayout.from_model(model).depth(training=True)
             if options.accumulationFactor < depth:
-                yield (f"For pipelining, depth (gradient accumulation factor) must equal at "
-                       f"least the number of pipeline stages ({depth})")
+                yield depth_text("gradient accumulation factor", depth)
         yield from _pruned_refusals(model, loss if training else None, anchors)
         yield from _pattern_refusals(model, training, patterns, loss, anchors)
 

@@ -80,7 +80,7 @@ def _load(fnModel: Any) -> onnx.ModelProto:
         raise TypeError(f"fnModel={short(fnModel)}: give the bytes of builder.getModelProto(), "
                         f"a path to an .onnx file or an onnx.ModelProto.")
     try:
-        return load_model(fnModel)
+        return load_model(fnModel, popart_external=True)  # PopART's external data
     except ModelError as err:
         raise popart_exception(f"Failed to load a ModelProto: {err}") from None
 

@@ -311,3 +311,40 @@ def test_a_builder_extends_an_existing_model_given_as_bytes_or_a_path(tmp_path):
         np.testing.assert_array_equal(anchors[z], np.zeros((2, 4), np.float32))
     with pytest.raises(popart.popart_exception, match="builderCore"):
         popart.Builder(builderCore=object())
+
+
+def test_ai_onnx_calls_are_checked_as_popart_s_binding_checks_them():
+    """popart_core's AiOnnxN methods are pybind11 overloads: wrong argument types or counts are
+    a TypeError naming the one signature; the opset object prints as PopART's AiOnnxN class;
+    a second opset is builder.py's RuntimeError."""
+    b = popart.Builder(opsets={"ai.onnx": 6, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    assert str(b.aiOnnx) == "AiOnnx6"
+    b.aiOnnx.add([x, x], 1, 0, "add_v6")  # Add-6's axis and broadcast, positionally
+    with pytest.raises(TypeError) as err:
+        b.aiOnnx.add([x, x], "add_v9")  # a name where Add-6 takes the int axis
+    assert err.value.args[0].startswith(
+        "add(): incompatible function arguments. The following argument types are supported:\n"
+        "    1. (self: popart_core.AiOnnxOpset6, args: List[str], axis: Optional[int] = None, "
+        "broadcast: int = 0, debugContext: popart_core.DebugContext = '') -> str\n\nInvoked "
+        "with: ")
+    for call in (lambda: b.aiOnnx.add(0, 0), lambda: b.aiOnnx.conv(),
+                 lambda: b.aiOnnx.cast([x], 1)):  # Cast takes the DataType's name
+        with pytest.raises(TypeError, match=r"^\w+\(\): incompatible function arguments"):
+            call()
+    assert b.getTensorDtypeString(b.aiOnnx.cast([x], "INT32")) == "int32"
+    with pytest.raises(RuntimeError, match="^Invalid opset 'aiOnnxOpset8' selected. Opset for "
+                                           "domain ai.onnx already defined as 6$"):
+        b.aiOnnxOpset8.add([x, x])
+
+
+def test_a_deprecated_option_alias_logs_popart_s_warning_on_stderr(capfd):
+    """popart.cpp: setting defaultPrefetchBufferingDepth or prefetchBufferingDepthMap logs
+    PopART's deprecation warning (on stderr) and sets the current option."""
+    opts = popart.SessionOptions()
+    with pytest.warns(DeprecationWarning):
+        opts.prefetchBufferingDepthMap = {"t": 3}
+    assert opts.bufferingDepthMap == {"t": 3}
+    assert ("The session option prefetchBufferingDepthMap has been deprecated and will be "
+            "removed in a future release. Please use the alias bufferingDepthMap instead."
+            in capfd.readouterr().err)

@@ -94,3 +94,40 @@ def test_batch_normalization_gets_its_training_outputs():
     transformer.prepareNodesForTraining()
     node = onnx.load_from_string(transformer.getModelProto()).graph.node[0]
     assert len(node.output) == 5 and node.output[1].startswith("BatchNormalization_")
+
+
+def test_external_data_is_written_and_read_as_popart_does(tmp_path, monkeypatch):
+    """onnxutil.cpp: saveInitializersExternally writes the tensors one after another and keeps
+    the location as given; a session reads it as a path from the working directory, whatever
+    form the model comes in (here its bytes); a location that is not there is refused in
+    PopART's words, and the Builder's loader (onnx's checker) is a RuntimeError."""
+    monkeypatch.chdir(tmp_path)
+    w = np.array([1.0, -2.0, 3.0], np.float32)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]))
+    i1 = b.addInitializedInputTensor(w)
+    y = b.aiOnnx.add([x, i1])
+    transformer = popart.GraphTransformer(b.getModelProto())
+    transformer.saveInitializersExternally([i1], "weights.bin")  # relative to the cwd
+    np.testing.assert_array_equal(np.fromfile("weights.bin", np.float32), w)
+    with pytest.raises(popart.popart_exception, match="already has an external data_location"):
+        transformer.saveInitializersExternally([i1], "weights.bin")
+    with pytest.raises(popart.popart_exception, match="is not an initializer"):
+        transformer.saveInitializersExternally([y], "other.bin")
+    model = transformer.getModelProto()
+    session = popart.InferenceSession(model, popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    session.run(popart.PyStepIO({x: np.ones(3, np.float32)}, anchors))
+    np.testing.assert_array_equal(anchors[y], w + 1)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(model, popart.DataFlow(1, [y]),
+                                popart.DeviceManager().createCpuDevice())
+    assert f"Unrecognised file name 'weights.bin' for externally stored tensor '{i1}'" \
+        in err.value.args[0]
+    with pytest.raises(RuntimeError, match="should be stored in weights.bin, but it doesn't "
+                                           "exist or is not accessible"):
+        popart.Builder(model)

@@ -225,3 +225,87 @@ def test_a_cpu_device_has_no_summary_report_as_in_poplar():
     with pytest.raises(popart.poplar_exception) as err:
         session.getSummaryReport()
     assert err.value.args[0].endswith("Profiling is disabled for current device type.")
+
+
+def _pipelined(stages, ipus, batches=10, training=False, **options):
+    """The refusal of a pipelined session of sin -> exp -> mul with these stages and IPUs."""
+    b = popart.Builder()
+    d0 = b.addInputTensor(popart.TensorInfo("FLOAT", [4]))
+    d1 = b.addInputTensor(popart.TensorInfo("FLOAT", [4]))
+    outs = [b.aiOnnx.sin([d0], "s0"), b.aiOnnx.exp([d1], "e0")]
+    outs.append(b.aiOnnx.mul(outs, "m0"))
+    for out, stage, ipu in zip(outs, stages, ipus, strict=True):
+        if stage is not None:
+            b.pipelineStage(out, stage)
+        b.virtualGraph(out, ipu)
+    opts = popart.SessionOptions()
+    opts.enablePipelining = True
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    for name, value in options.items():
+        setattr(opts, name, value)
+    flow = popart.DataFlow(batches, [outs[-1]])
+    device = popart.DeviceManager().createIpuModelDevice({"numIPUs": max(ipus) + 1})
+    try:
+        if training:
+            popart.TrainingSession(b.getModelProto(), flow, outs[-1], popart.ConstSGD(0.1),
+                                   device, userOptions=opts)
+        else:
+            popart.InferenceSession(b.getModelProto(), flow, device, userOptions=opts)
+    except popart.popart_exception as err:
+        return err.args[0]
+    return None
+
+
+def test_pipelining_refusals_speak_popart_s_words():
+    """ir.cpp verifyPipelineSettings, pipeline.cpp and inferpipelinestages.cpp checkOrder: the
+    drop-in raises PopART's texts for the kit's rules V1, V4, V5, V7 and P10."""
+    assert _pipelined([0, 0, 1], [0, 0, 0]) == (
+        "Pipelining requires more than 1 IPU (currently 1) and the 'virtualGraphMode' session "
+        "option to not be VirtualGraphMode::Off (currently VirtualGraphMode::Manual).")
+    assert _pipelined([0, 1, 2], [0, 1, 2], batches=2) == (
+        "For pipelining, depth (batchesPerStep) must equal at least the number of pipeline "
+        "stages (3)")
+    assert _pipelined([0, 1, 1], [0, 1, 0]) == (
+        "Ops [Op(e0 (ai.onnx.Exp:6), inputs=[input/1], outputs=[Exp:0]) Op(m0 (ai.onnx.Mul:7), "
+        "inputs=[Sin:0, Exp:0], outputs=[Mul:0])] have the same pipeline stage 1, but different "
+        "virtual graph ids [0 1]. All ops with the same pipeline stage must also have the same "
+        "virtual graph id")
+    assert _pipelined([0, None, 1], [0, 1, 1]) == (
+        "Only some ops have had their pipeline stage set. Ops missing the pipeline stage:\n"
+        "  Op(e0 (ai.onnx.Exp:6), inputs=[input/1], outputs=[Exp:0])")
+    assert _pipelined([0, 1, 0], [0, 1, 0]) == (
+        "Tensor Exp:0 is consumed in an earlier pipeline stage than it is produced\n"
+        "Producer Op(e0 (ai.onnx.Exp:6), inputs=[input/1], outputs=[Exp:0]) has pipeline stage "
+        "1\n"
+        "Consumer Op(m0 (ai.onnx.Mul:7), inputs=[Sin:0, Exp:0], outputs=[Mul:0]) has pipeline "
+        "stage 0")
+    with pytest.raises(pk.ConfigError, match="pipelining needs at least 2 IPUs"):  # the kit's
+        pk.SessionConfig(mode="inference", pipeline={"enabled": True}, ipus_per_replica=1)
+
+
+@pytest.mark.parametrize(("options", "why"), [
+    ({"enablePipelining": False}, "without implicit pipelining"),
+    ({"useHostCopyOps": True, "enableExplicitMainLoops": True, "explicitRecomputation": True},
+     "with explicit pipelining"),
+    ({"enableGradientAccumulation": False, "accumulationFactor": 1},
+     "without gradient accumulation")])
+def test_implicit_pipelining_forward_only_program_refusals(options, why):
+    """ir.cpp:674-687: the deprecated forward-only program needs implicit pipelining with
+    gradient accumulation; PopART checks explicit pipelining first."""
+    options = {"enableGradientAccumulation": True, "accumulationFactor": 5,
+               "createImplicitPipeliningFwdOnlyProgram": True, **options}
+    text = _pipelined([0, 1, 2], [0, 1, 2], training=True, **options)
+    assert text == f"Implicit pipelining forward-only program is not supported {why}."
+
+
+def test_accumulation_factor_without_accumulation_is_refused_in_popart_s_words():
+    """sessionoptions.cpp:257 getAccumulationFactor: a factor above 1 needs
+    enableGradientAccumulation (rule V19)."""
+    b = popart.Builder()
+    x = b.addInitializedInputTensor(np.ones(2, np.float32))
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.relu([x])])
+    opts = popart.SessionOptions()
+    opts.accumulationFactor = 4
+    assert _refusal(b, [loss], loss=loss, options=opts) == (
+        "enableGradientAccumulation is false, but accumulationFactor > 1. Either enable "
+        "gradient accumulation, or set the accumulation factor to 1")
