@@ -137,6 +137,17 @@ RULES: dict[str, tuple[str, str]] = {
             "graph id matching the calling op'."),
     "V63": ("resetHostWeights is refused for an inference session with constantWeights. Only "
             "under popart_kit.popart.", "session.cpp:787 Session::resetHostWeights."),
+    "V65": ("An inference session anchors at least one tensor. Only under popart_kit.popart.",
+            "ir.cpp:416 Ir::setDataFlow: 'User must specify an anchor tensor when doing "
+            "inference.'"),
+    "V66": ("A Constant has no sparse_value. Only under popart_kit.popart.",
+            "onnxpasses/nodepatterns/constfoldops.cpp:98: 'The Constant op attribute "
+            "'sparse_value' is not supported.'"),
+    "V67": ("On an IPU Model device, every virtual graph id is below the device's IPUs per "
+            "replica (a CPU device stretches to what the model uses); checked by "
+            "prepareDevice. Only under popart_kit.popart.",
+            "popx/irlowering.cpp:2979: '... has been assigned to an invalid virtual graph "
+            "...'."),
     # -- configuration ----------------------------------------------------------------------------
     "K-unknown-key": ("A key or keyword a config section, optimizer or session does not have "
                       "(suggests the closest field or PopART option).",

@@ -45,7 +45,8 @@ MAX_MODEL_BYTES = 2**31 - 1
 
 
 def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
-               popart_external: bool = False) -> onnx.ModelProto:
+               popart_external: bool = False,
+               external_info: dict[str, ExternalInfo] | None = None) -> onnx.ModelProto:
     """A ModelProto from itself, serialised bytes (as Builder.getModelProto returns) or a path.
 
     Refuses, before reading anything: a path that is not a regular file (a device, a FIFO, a
@@ -53,13 +54,14 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
     loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
     of it); a model given as bytes or a ModelProto has no folder, so external data is refused.
     With ``popart_external`` (popart_kit.popart's sessions and Builder) external data is read
-    as PopART reads it, from any model (see :func:`read_popart_external_data`).
+    as PopART reads it, from any model (see :func:`read_popart_external_data`), and where
+    each initializer's data came from is recorded in ``external_info`` when given.
     FLOAT16 weights PopART packed two to an int32 are read in ONNX's form."""
     if isinstance(model, onnx.ModelProto):
         if popart_external:
             copy = onnx.ModelProto()
             copy.CopyFrom(model)
-            return in_onnx_form(read_popart_external_data(copy))
+            return in_onnx_form(read_popart_external_data(copy, external_info))
         _refuse_external_data(model, "this ModelProto")
         return in_onnx_form(model)
     if not isinstance(model, bytes | bytearray | str | os.PathLike):
@@ -77,12 +79,18 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
             proto = onnx.load(os.fspath(model), load_external_data=not popart_external)
         _refuse_invalid_text(proto, where)
         if popart_external:
-            read_popart_external_data(proto)
+            read_popart_external_data(proto, external_info)
         return in_onnx_form(proto)   # PopART's packed FLOAT16 weights read as ONNX's
     except ModelError:
         raise
     except DecodeError as err:
-        raise ModelError(f"{where} is not an ONNX model ({err}).", rule="K-model-decode") from None
+        failure = ModelError(f"{where} is not an ONNX model ({err}).", rule="K-model-decode")
+        failure.popart_text = (  # type: ignore[attr-defined]  # filereader.cpp:285 and :265
+            f"Failed to load a ModelProto from the string '{_popart_bytes(bytes(model))}'.\n"
+            f"Check that it is either a valid path to an existing onnx model file, or is a "
+            f"valid onnx ModelProto string." if isinstance(model, bytes | bytearray) else
+            f"Failed to parse ModelProto from file {os.fspath(model)}")
+        raise failure from None
     except FileNotFoundError as err:
         raise ModelError(f"{where}: no such file ({short(err.filename or '')}). Fix: check the "
                          f"path, and that external data files sit beside the model.",
@@ -95,30 +103,81 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
                          rule="K-model-file") from None
 
 
-def read_popart_external_data(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Read into ``model`` (in place) the data of its tensors kept in external files, as PopART
-    does (onnxutil.cpp:162 ExternalTensorProtoInfo, :260 getConstData): ``location`` is a path,
-    absolute or relative to the working directory (not to the model's folder), ``length``
-    bytes from ``offset``. Refuses, with PopART's messages, a tensor without a location, a
-    location that does not exist, a length <= 0 and a negative offset."""
-    for tensor in _tensors(model.graph):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
+@dataclass(frozen=True)
+class ExternalInfo:
+    """Where an externally stored tensor's data is (PopART's ExternalTensorProtoInfo):
+    ``length`` bytes from ``offset`` of the file ``location`` (relative to the working
+    directory)."""
+
+    location: str
+    offset: int
+    length: int
+
+    @classmethod
+    def of(cls, tensor: onnx.TensorProto) -> ExternalInfo:
+        """The tensor's external_data entries (not checked: see :meth:`problem`)."""
         info = {e.key: e.value for e in tensor.external_data}
-        location = info.get("location", "")
         try:
             offset, length = int(info.get("offset") or 0), int(info.get("length") or 0)
         except ValueError:
             offset, length = -1, 0
-        problem = (
-            f"No location information for externally stored tensor '{tensor.name}'"
-            if not location else
-            f"Unrecognised file name '{location}' for externally stored tensor '{tensor.name}'"
-            if not os.path.exists(location) else
-            f"Invalid 'length' information ({length}) for externally stored tensor "
-            f"'{tensor.name}'" if length <= 0 else
-            f"Invalid 'offset' information ({offset}) for externally stored tensor "
-            f"'{tensor.name}'" if offset < 0 else "")
+        return cls(info.get("location", ""), offset, length)
+
+    def problem(self, name: str) -> str:
+        """PopART's refusal of this information for tensor ``name`` (onnxutil.cpp:179-200:
+        no location, a location that does not exist, a length <= 0, a negative offset), or
+        ""."""
+        return (
+            f"No location information for externally stored tensor '{name}'"
+            if not self.location else
+            f"Unrecognised file name '{self.location}' for externally stored tensor '{name}'"
+            if not os.path.exists(self.location) else
+            f"Invalid 'length' information ({self.length}) for externally stored tensor "
+            f"'{name}'" if self.length <= 0 else
+            f"Invalid 'offset' information ({self.offset}) for externally stored tensor "
+            f"'{name}'" if self.offset < 0 else "")
+
+    def entries(self) -> list[onnx.StringStringEntryProto]:
+        """The tensor's external_data as PopART writes it (onnxutil.cpp:507): location,
+        length, offset."""
+        return [onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in
+                (("location", self.location), ("length", self.length),
+                 ("offset", self.offset))]
+
+
+def _popart_bytes(data: bytes, most: int = 100) -> str:
+    """The start of a model's bytes as PopART's filereader.cpp:42 formatModelProtoString shows
+    them (printable ASCII as is, ``\\`` and ``'`` escaped, \\n \\t \\r, other bytes \\xNN; ``...``
+    after ``most`` + 1 bytes)."""
+    out = []
+    for count, byte in enumerate(data, 1):
+        c = chr(byte)
+        out.append(("\\" + c if c in "\\'" else c) if " " <= c <= "~" else
+                   {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c, f"\\x{byte:02x}"))
+        if count > most:
+            out.append("...")
+            break
+    return "".join(out)
+
+
+def read_popart_external_data(model: onnx.ModelProto,
+                              found: dict[str, ExternalInfo] | None = None) -> onnx.ModelProto:
+    """Read into ``model`` (in place) the data of its tensors kept in external files, as PopART
+    does (onnxutil.cpp:162 ExternalTensorProtoInfo, :260 getConstData): ``location`` is a path,
+    absolute or relative to the working directory (not to the model's folder), ``length``
+    bytes from ``offset``. Refuses, with PopART's messages, a tensor without a location, a
+    location that does not exist, a length <= 0 and a negative offset. Each initializer's
+    information is recorded in ``found`` when given (PopART's Ir keeps it: modelToHost writes
+    the trained values back there)."""
+    if found is not None:
+        found.update((t.name, ExternalInfo.of(t)) for t in model.graph.initializer
+                     if t.data_location == onnx.TensorProto.EXTERNAL)
+    for tensor in _tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        where = ExternalInfo.of(tensor)
+        location, offset, length = where.location, where.offset, where.length
+        problem = where.problem(tensor.name)
         data = b""
         if not problem:
             try:
@@ -344,9 +403,20 @@ class PipelineLayout:
         placed = [op for op in self.ops if op.ipu is not None]
         if placed and len(placed) < len(self.ops):
             missing = [op.name for op in self.ops if op.ipu is None]
+            counts: dict[int, int] = {}
+            for op in self.ops:
+                counts[-1 if op.ipu is None else op.ipu] = \
+                    counts.get(-1 if op.ipu is None else op.ipu, 0) + 1
+            # ir.cpp:1974 (PopART's op ids: here each op's place in the graph)
+            text = ("Either all Ops must have their virtual graph ids set, or none must. Op "
+                    "count per virtual graph id\n" + "".join(
+                        f"  {ipu} : {n}\n" for ipu, n in sorted(counts.items()))
+                    + "Ops with no virtual graph id :  \n" + "".join(
+                        f"  {i} ({op.opid or op.op_type})\n"
+                        for i, op in enumerate(self.ops) if op.ipu is None))
             return [Problem(_IPU_LOC, f"only some ops have an IPU; {_count(missing)} "
                                       f"none: {_names(missing)}.",
-                            "annotate every op with an IPU, or none.", "V26")]
+                            "annotate every op with an IPU, or none.", "V26", popart=text)]
         return []
 
     def stage_problems(self) -> list[Problem]:

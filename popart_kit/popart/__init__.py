@@ -86,6 +86,11 @@ def versionNumber() -> tuple[int, int, int]:
     return (3, 4, 0)
 
 
+def packageHash() -> str:
+    """The build's identifier (PopART: its git hash); here popart_kit's drop-in version."""
+    return __version__
+
+
 _debug_info: list[str] = []  # the file initializePoplarDebugInfo named, until it is closed
 
 
@@ -133,7 +138,7 @@ __all__ = [
     "popart_exception", "OutOfMemoryException", "poplar_exception", "poplar_runtime_error",
     "poplar_application_runtime_error", "poplar_recoverable_runtime_error",
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
-    "getLogger", "versionString", "versionNumber", "initializePoplarDebugInfo",
+    "getLogger", "versionString", "versionNumber", "packageHash", "initializePoplarDebugInfo",
     "closePoplarDebugInfo", "OperatorIdentifier", "getSupportedOperations",
     "getUnsupportedOperations", "GraphTransformer", "VariableSettings", *ENUMS, *STRUCTS,
     *PREFIX_FUNCTIONS,

@@ -354,6 +354,12 @@ def check_program(model: onnx.ModelProto, *, training: bool, options: Any,
                     for a in n.attribute)
 
     def refusals() -> Iterable[str]:
+        if not training and not anchors:  # V65: ir.cpp:416 Ir::setDataFlow, first of prepareImpl
+            yield "User must specify an anchor tensor when doing inference."
+        if any(n.op_type == "Constant" and _domain(n) == _ONNX
+               and any(a.name == "sparse_value" for a in n.attribute)
+               for n in model.graph.node):  # V66: constfoldops.cpp:98
+            yield "The Constant op attribute 'sparse_value' is not supported."
         yield from _creation_refusals(model, bool(options.enablePipelining))
         yield from _serialisation_refusals(model)
         if training:

@@ -10,6 +10,7 @@ for one micro-batch per replica at a time, micro-batch major and replica minor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging as _logging
 import os
@@ -24,7 +25,7 @@ from .._base import names as _names
 from .._base.atomic import write_atomic
 from .._base.problems import popart_rules
 from .._config.session_config import SessionConfig
-from .._model.layout import PipelineLayout, load_model
+from .._model.layout import ExternalInfo, PipelineLayout, load_model
 from .._model.tensors import as_popart_stores, to_array
 from .._runtime.session import InferenceSession as _KitInference
 from .._runtime.session import TrainingSession as _KitTraining
@@ -66,10 +67,11 @@ def _has_random_ops(model: onnx.ModelProto) -> bool:
     return random(model.graph.node) or any(random(f.node) for f in model.functions)
 
 
-def _load(fnModel: Any) -> onnx.ModelProto:
+def _load(fnModel: Any, external: dict[str, ExternalInfo] | None = None) -> onnx.ModelProto:
     """The model PopART's ``fnModel`` names: a ModelProto, its bytes, a path, or the bytes as
     a str (as PopART's bindings take them); everything the kit's loader refuses is a
-    popart_exception."""
+    popart_exception. Where its initializers' external data came from goes into
+    ``external``."""
     if isinstance(fnModel, str) and not os.path.exists(fnModel):
         try:
             fnModel = fnModel.encode("latin-1")
@@ -80,9 +82,11 @@ def _load(fnModel: Any) -> onnx.ModelProto:
         raise TypeError(f"fnModel={short(fnModel)}: give the bytes of builder.getModelProto(), "
                         f"a path to an .onnx file or an onnx.ModelProto.")
     try:
-        return load_model(fnModel, popart_external=True)  # PopART's external data
+        return load_model(fnModel, popart_external=True,  # PopART's external data
+                          external_info=external)
     except ModelError as err:
-        raise popart_exception(f"Failed to load a ModelProto: {err}") from None
+        raise popart_exception(getattr(err, "popart_text", None)
+                               or f"Failed to load a ModelProto: {err}") from None
 
 
 def _device_ipus(device: DeviceInfo, replicas: int, model: onnx.ModelProto,
@@ -181,7 +185,10 @@ class _Session:
         opts = userOptions if userOptions is not None else SessionOptions()
         if not isinstance(opts, SessionOptions):
             raise TypeError(f"userOptions={opts!r}: give a popart.SessionOptions().")
-        self.model = _load(fnModel)
+        #: where each externally saved initializer (and its optimizer state) lives on disk,
+        #: in the model's order (PopART's Ir keeps it in its ModelProto: session.cpp:684)
+        self._external: dict[str, ExternalInfo] = {}
+        self.model = _load(fnModel, self._external)
         if inputShapeInfo is not None:
             self.model = inputShapeInfo.shaped(self.model)
         self.dataFlow, self.deviceInfo, self.options = dataFlow, deviceInfo, opts
@@ -214,6 +221,7 @@ class _Session:
         except ValueError as err:
             raise popart_exception(popart_text(err)) from None
         self._types = _tensor_types(self.model)
+        self._save_state_externally()
         self._pending: dict[str, np.ndarray] = {}
         self._seed: int | None = None
         self._prepared = False  # prepareDevice called (PopART's Devicex::prepareHasBeenCalled)
@@ -243,7 +251,29 @@ class _Session:
 
     # -- the device ---------------------------------------------------------------------------
 
+    def _check_virtual_graphs(self) -> None:
+        """V67, popx/irlowering.cpp:2979: on a device with a known number of IPUs (an IPU Model;
+        a CPU device stretches to what the model uses), an op placed on a virtual graph the
+        device does not have is refused when the device is prepared. The op is named as
+        PopART names it then: inputs from another IPU arrive through copies (``t_c<ipu>``)."""
+        opts = self.options
+        if self.deviceInfo.type.name != "IpuModel" or (
+                opts.virtualGraphMode.name == "Off" and not opts.enablePipelining):
+            return
+        replicas = opts.replicatedGraphCount if opts.enableReplicatedGraphs else 1
+        ipus = max(self.deviceInfo.numIpus // replicas, 1)
+        layout = PipelineLayout.from_model(self.model)
+        made_on = {t: op.ipu for op in layout.ops for t in op.outputs}
+        for op in layout.ops:
+            if op.ipu is not None and not 0 <= op.ipu < ipus:
+                copied = tuple(f"{t}_c{op.ipu}" if t in made_on and made_on[t] != op.ipu else t
+                               for t in op.inputs)
+                raise popart_exception(
+                    f"{dataclasses.replace(op, inputs=copied).debug_name} has been assigned to "
+                    f"an invalid virtual graph {op.ipu}. numIPUs = {ipus}.")
+
     def prepareDevice(self, loadEngine: bool = True) -> None:
+        self._check_virtual_graphs()
         try:
             self._kit.prepare()
         except ValueError as err:
@@ -499,27 +529,138 @@ class _Session:
             if init.name in current:
                 self._pending[init.name] = to_array(init)
             elif not ignoreWeightsInModelWithoutCorrespondingHostWeight:
-                raise popart_exception(f"resetHostWeights, failed to find tensor {init.name} "
-                                       f"in the session's weights. Fix: pass "
-                                       f"ignoreWeightsInModelWithoutCorrespondingHostWeight="
-                                       f"True to skip it.")
+                # popx/executablex.cpp:263 (skipped with
+                # ignoreWeightsInModelWithoutCorrespondingHostWeight=True)
+                raise popart_exception(f"resetWeights, no tensor '{init.name}' in tensors")
 
     def _optimizer_tensors(self) -> dict[str, np.ndarray]:
         return {}
 
+    def _save_state_externally(self) -> None:
+        """PopART's Ir::addAdditionalModelProtoTensors (ir.cpp:1872), when the session is
+        made: the optimizer state of a weight saved externally is appended to the weight's
+        file (state prefix by prefix, weights in the model's order), and modelToHost writes
+        it there from then on."""
+        if not self._external:
+            return
+        prefixes = [v for k, v in RESERVED_PREFIXES.items() if k in
+                    ("Accl", "Accl1", "Accl2", "Accl3", "Step")]
+        state = self._optimizer_tensors()
+        weights = list(self._external)
+        for prefix in prefixes:
+            for weight in weights:
+                name = prefix + weight
+                if name not in state or name in self._external:
+                    continue  # a model's own state (a checkpoint) is an initializer already
+                location = self._external[weight].location
+                data = np.ascontiguousarray(state[name]).tobytes()
+                if not os.path.exists(location):  # onnxutil.cpp:465
+                    raise popart_exception(f"TensorIds '{name} ' to be saved externally to "
+                                           f"existing file {location}, but file doesn't exist")
+                with open(location, "ab") as f:
+                    offset = f.tell()
+                    f.write(data)
+                self._external[name] = ExternalInfo(location, offset, len(data))
+
+    def _write_external(self, values: Mapping[str, np.ndarray]) -> None:
+        """Session::modelToHost's write-back (session.cpp:716): each externally saved tensor's
+        bytes go to its file at its offset, the file otherwise kept. Refused, in PopART's
+        words, before anything is written: a location that no longer exists from the working
+        directory (onnxutil.cpp:187)."""
+        for name, where in self._external.items():
+            problem = where.problem(name)
+            if problem:
+                raise popart_exception(problem)
+        for name, where in self._external.items():
+            if name not in values:
+                continue
+            data = np.ascontiguousarray(values[name]).tobytes()
+            if len(data) != where.length:
+                raise popart_exception(
+                    f"Trying to update initializer {name}, stored in file {where.location}, "
+                    f"when writing modelToHost: it has {len(data)} bytes, the file holds "
+                    f"{where.length} for it. Fix: save the model's initializers externally "
+                    f"again (Builder.saveInitializersExternally).")
+            try:
+                with open(where.location, "r+b") as f:
+                    f.seek(where.offset)
+                    f.write(data)
+            except OSError as err:
+                raise popart_exception(
+                    f"Trying to update initializer {name}, stored in file {where.location}, "
+                    f"when writing modelToHost. Failed to open file ({err.strerror})") from None
+
     def modelToHost(self, fn: str) -> None:
         """Write the model with the device's weights (and optimizer state under PopART's
-        reserved names) to ``fn``."""
+        reserved names) to ``fn``. As PopART (session.cpp:684), a tensor the model keeps in
+        an external file stays there: its new values are written into that file, where it
+        was read from (see :meth:`updateExternallySavedTensorLocations` to move it)."""
         self.weightsToHost()
         proto = self._kit.model_proto()
-        for name, array in self._optimizer_tensors().items():
-            proto.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        state = self._optimizer_tensors()
+        known = {t.name: t for t in proto.graph.initializer}
+        for name, array in state.items():  # the state now, also over a checkpoint's
+            tensor = numpy_helper.from_array(np.asarray(array), name)
+            if name in known:
+                known[name].CopyFrom(tensor)
+            else:
+                proto.graph.initializer.append(tensor)
+        if self._external:
+            self._write_external(self._host_view(self._weights() | state))
         for tensor in proto.graph.initializer:
-            tensor.CopyFrom(as_popart_stores(tensor))
+            where = self._external.get(tensor.name)
+            if where is None:
+                tensor.CopyFrom(as_popart_stores(tensor))
+                continue
+            kept = onnx.TensorProto(name=tensor.name, dims=tensor.dims,
+                                    data_type=tensor.data_type,
+                                    data_location=onnx.TensorProto.EXTERNAL)
+            kept.external_data.extend(where.entries())
+            tensor.CopyFrom(kept)
         try:
             write_atomic(fn, proto.SerializeToString())
         except FileWriteError as err:
             raise popart_exception(popart_text(err)) from None
+
+    def updateExternallySavedTensorLocations(self, fromLocation: str, toLocation: str) -> None:
+        """PopART's Session::updateExternallySavedTensorLocations (session.cpp:621): the
+        tensors whose data the file ``fromLocation`` holds (the location as the model names
+        it) are copied, as that file holds them now, into the new file ``toLocation`` (one
+        after another), and modelToHost writes them there from then on. Refuses, in PopART's
+        words: an existing ``toLocation``, a missing ``fromLocation``, no tensor stored in
+        it, and a missing parent folder of ``toLocation`` (onnxutil.cpp:449)."""
+        start = (f"Updating externally saved tensor location from file '{fromLocation}' to "
+                 f"file '{toLocation}', but file")
+        if os.path.exists(toLocation):
+            raise popart_exception(f"{start} '{toLocation}' already exists")
+        if not os.path.exists(fromLocation):
+            raise popart_exception(f"{start} '{fromLocation}' does not exist")
+        moved = [n for n, w in self._external.items() if w.location == fromLocation]
+        if not moved:
+            raise popart_exception(f"No ONNX model initializers have external location set "
+                                   f"to '{fromLocation}'")
+        folder = os.path.dirname(toLocation)
+        if folder and not os.path.isdir(folder):
+            raise popart_exception(f"Saving tensor data to file {toLocation}, but its parent "
+                                   f"directory does not exist")
+        blob, placed = bytearray(), {}
+        with open(fromLocation, "rb") as f:
+            for name in moved:
+                where = self._external[name]
+                f.seek(where.offset)
+                data = f.read(where.length)
+                if len(data) != where.length:
+                    raise popart_exception(
+                        f"External data of tensor '{name}' in {fromLocation}: {where.length} "
+                        f"bytes from offset {where.offset} asked, {len(data)} there. Fix: "
+                        f"save the model's initializers externally again.")
+                placed[name] = ExternalInfo(toLocation, len(blob), len(data))
+                blob += data
+        try:
+            write_atomic(toLocation, bytes(blob))
+        except FileWriteError as err:
+            raise popart_exception(popart_text(err)) from None
+        self._external.update(placed)
 
     # -- what the xla runtime does not have -----------------------------------------------------
 

@@ -131,3 +131,76 @@ def test_external_data_is_written_and_read_as_popart_does(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="should be stored in weights.bin, but it doesn't "
                                            "exist or is not accessible"):
         popart.Builder(model)
+
+
+def _external_training(tmp_path, monkeypatch):
+    """A TrainingSession (SGD with momentum) over y = x * w whose w is kept in weights.bin."""
+    monkeypatch.chdir(tmp_path)
+    w = np.array([1.0, -2.0, 3.0], np.float32)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]))
+    i1 = b.addInitializedInputTensor(w)
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.mul([x, i1])])
+    b.saveInitializersExternally([i1], "weights.bin")
+    session = popart.TrainingSession(
+        b.getModelProto(), popart.DataFlow(1, []), loss,
+        popart.SGD({"defaultLearningRate": (0.1, True), "defaultMomentum": (0.5, True)}),
+        popart.DeviceManager().createCpuDevice())
+    return session, w, x, i1
+
+
+def test_model_to_host_writes_trained_values_into_the_external_file(tmp_path, monkeypatch):
+    """session.cpp:684 modelToHost: an externally saved weight's new values (and its optimizer
+    state, appended to the same file when the session is made: ir.cpp:1872) are written into
+    the file it came from, and the model written keeps referring to it; a location gone from
+    the working directory is refused in PopART's words before anything is written."""
+    session, w, x, i1 = _external_training(tmp_path, monkeypatch)
+    assert (tmp_path / "weights.bin").stat().st_size == 2 * w.nbytes  # w, then Accl___w
+    session.prepareDevice()
+    session.weightsFromHost()
+    session.run(popart.PyStepIO({x: np.full(3, 2.0, np.float32)}, {}))
+    session.modelToHost("model.onnx")
+    on_disk = np.fromfile("weights.bin", np.float32)
+    # SGD's first step: velocity = gradient (x / 3: identityloss's default reduction is
+    # Mean), w -= lr * velocity
+    np.testing.assert_allclose(on_disk[:3], w - 0.1 * 2.0 / 3, rtol=1e-6)
+    accl = np.zeros(3, np.float32)
+    session.readWeights(popart.PyWeightsIO({popart.reservedAcclPrefix() + i1: accl}))
+    np.testing.assert_array_equal(on_disk[3:], accl)
+    saved = {t.name: t for t in onnx.load("model.onnx", load_external_data=False)
+             .graph.initializer}
+    info = {e.key: e.value for e in saved[popart.reservedAcclPrefix() + i1].external_data}
+    assert saved[i1].data_location == TensorProto.EXTERNAL
+    assert info == {"location": "weights.bin", "length": "12", "offset": "12"}
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(popart.popart_exception,
+                       match=f"Unrecognised file name 'weights.bin' for externally stored "
+                             f"tensor '{i1}'"):
+        session.modelToHost("model.onnx")
+    assert not (tmp_path / "elsewhere" / "model.onnx").exists()
+
+
+def test_update_externally_saved_tensor_locations(tmp_path, monkeypatch):
+    """session.cpp:621: the tensors of one file move, as that file holds them, to a new file
+    that modelToHost then writes; an existing target, a missing source and a file holding
+    none of the model's tensors are refused in PopART's words."""
+    session, w, x, i1 = _external_training(tmp_path, monkeypatch)
+    (tmp_path / "taken.bin").write_bytes(b"")
+    with pytest.raises(popart.popart_exception, match="but file 'taken.bin' already exists"):
+        session.updateExternallySavedTensorLocations("weights.bin", "taken.bin")
+    with pytest.raises(popart.popart_exception, match="but file 'nothing.bin' does not exist"):
+        session.updateExternallySavedTensorLocations("nothing.bin", "new.bin")
+    with pytest.raises(popart.popart_exception,
+                       match="No ONNX model initializers have external location set to "
+                             "'taken.bin'"):
+        session.updateExternallySavedTensorLocations("taken.bin", "new.bin")
+    before = np.fromfile("weights.bin", np.float32)
+    session.updateExternallySavedTensorLocations("weights.bin", "new.bin")
+    np.testing.assert_array_equal(np.fromfile("new.bin", np.float32), before)
+    session.prepareDevice()
+    session.weightsFromHost()
+    session.run(popart.PyStepIO({x: np.full(3, 2.0, np.float32)}, {}))
+    session.modelToHost("model.onnx")
+    np.testing.assert_array_equal(np.fromfile("weights.bin", np.float32), before)
+    np.testing.assert_allclose(np.fromfile("new.bin", np.float32)[:3], w - 0.2 / 3, rtol=1e-6)

@@ -152,6 +152,30 @@ def test_what_prunes_to_nothing_or_anchors_a_missing_gradient_is_refused():
         f"Anchor tensor `{GRAD + x}' not in Ir Tensors.")
 
 
+def test_inference_without_anchors_and_undecodable_models_are_refused_in_popart_s_words(
+        tmp_path):
+    """ir.cpp:416 (an inference session needs an anchor); filereader.cpp:285 and :265 (bytes
+    that are no ModelProto, shown as formatModelProtoString shows them; a file that is not
+    one)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    b.addOutputTensor(b.aiOnnx.sqrt([x]))
+    assert _refusal(b, []) == "User must specify an anchor tensor when doing inference."
+    device = popart.DeviceManager().createCpuDevice()
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession("no\\thing'\x01", popart.DataFlow(1, [x]), device)
+    assert err.value.args[0] == (
+        "Failed to load a ModelProto from the string 'no\\\\thing\\'\\x01'.\nCheck that it "
+        "is either a valid path to an existing onnx model file, or is a valid onnx ModelProto "
+        "string.")
+    with pytest.raises(popart.popart_exception, match=r"string '(\\xff){101}\.\.\.'"):
+        popart.Builder(b"\xff" * 300)
+    (tmp_path / "bad.onnx").write_bytes(b"\xff" * 8)
+    with pytest.raises(popart.popart_exception,
+                       match="^Failed to parse ModelProto from file .*bad.onnx$"):
+        popart.InferenceSession(str(tmp_path / "bad.onnx"), popart.DataFlow(1, [x]), device)
+
+
 @pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")  # K-stale-weights
 def test_session_option_combinations_popart_refuses():
     """ir.cpp (auto and manual recomputation mixed); pipeline.cpp (accumulation enabled with a
@@ -214,6 +238,34 @@ def test_reset_host_weights_is_refused_with_constant_weights(tmp_path):
     with pytest.raises(popart.popart_exception,
                        match="Cannot call resetHostWeights when constantWeights is set"):
         session.resetHostWeights(str(path))
+    # executablex.cpp:263: a weight of the model the session does not have, unless ignored
+    opts.constantWeights = False
+    session = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice(),
+                                      userOptions=opts)
+    other = popart.Builder()
+    other.addInitializedInputTensor(np.ones(2, np.float32), "extra")
+    path.write_bytes(other.getModelProto())
+    with pytest.raises(popart.popart_exception) as err:
+        session.resetHostWeights(str(path))
+    assert err.value.args[0] == "resetWeights, no tensor 'extra' in tensors"
+    session.resetHostWeights(str(path), True)
+
+
+def test_sparse_constants_are_refused_in_popart_s_words():
+    """onnxpasses/nodepatterns/constfoldops.cpp:98."""
+    sparse = onnx.helper.make_sparse_tensor(
+        onnx.helper.make_tensor("v", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]),
+        onnx.helper.make_tensor("i", onnx.TensorProto.INT64, [2], [0, 3]), [4])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Constant", [], ["c"], sparse_value=sparse),
+         onnx.helper.make_node("Identity", ["c"], ["y"])], "g", [],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 11)])
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(model.SerializeToString(), popart.DataFlow(1, ["y"]),
+                                popart.DeviceManager().createCpuDevice())
+    assert err.value.args[0] == "The Constant op attribute 'sparse_value' is not supported."
 
 
 def test_a_cpu_device_has_no_summary_report_as_in_poplar():
@@ -309,3 +361,36 @@ def test_accumulation_factor_without_accumulation_is_refused_in_popart_s_words()
     assert _refusal(b, [loss], loss=loss, options=opts) == (
         "enableGradientAccumulation is false, but accumulationFactor > 1. Either enable "
         "gradient accumulation, or set the accumulation factor to 1")
+
+
+def test_virtual_graph_annotations_popart_refuses():
+    """ir.cpp:1974 (some ops on a virtual graph, some not: the count per id, -1 for none, and
+    the ops without one); irlowering.cpp:2979 (an IPU Model with 3 IPUs: an op on virtual
+    graph 10 is refused by prepareDevice, its inputs from IPU 0 named as their copies)."""
+    def model(ipus):
+        b = popart.Builder()
+        i1 = b.addInputTensor(popart.TensorInfo("FLOAT", [1]))
+        i2 = b.addInputTensor(popart.TensorInfo("FLOAT", [1]))
+        o1, o2 = b.aiOnnx.add([i1, i2]), b.aiOnnx.add([i1, i2])
+        o = b.aiOnnx.add([o1, o2])
+        for tensor, ipu in zip((o1, o2, o), ipus, strict=True):
+            if ipu is not None:
+                b.virtualGraph(tensor, ipu)
+        return b, o1, o2, o
+
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    b, o1, o2, o = model([0, 1, None])
+    assert _refusal(b, [o], options=opts) == (
+        "Either all Ops must have their virtual graph ids set, or none must. Op count per "
+        "virtual graph id\n  -1 : 1\n  0 : 1\n  1 : 1\nOps with no virtual graph id :  \n"
+        "  2 (ai.onnx.Add:7)\n")
+    b, o1, o2, o = model([0, 0, 10])
+    session = popart.InferenceSession(
+        b.getModelProto(), popart.DataFlow(1, [o]),
+        popart.DeviceManager().createIpuModelDevice({"numIPUs": 3}), userOptions=opts)
+    with pytest.raises(popart.popart_exception) as err:
+        session.prepareDevice()
+    assert err.value.args[0] == (
+        f"Op(ai.onnx.Add:7, inputs=[{o1}_c10, {o2}_c10], outputs=[{o}]) has been assigned "
+        f"to an invalid virtual graph 10. numIPUs = 3.")
