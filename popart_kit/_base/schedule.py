@@ -32,7 +32,7 @@ from typing import Any
 
 from .arith import bubble_fraction as plan_bubble_fraction
 
-__all__ = ["Action", "PipelineSchedule", "chrome_trace", "measured_bubble"]
+__all__ = ["Action", "PipelineSchedule", "chrome_trace", "depth_text", "measured_bubble"]
 
 KINDS = ("F", "B", "U")
 
@@ -311,3 +311,10 @@ def chrome_trace(trace: Sequence[tuple[Action, int, float, float]]) -> dict[str,
             "args": {"stage": action.stage, "slot": action.slot, "kind": action.kind,
                      "micro_batch": action.micro_batch, "update": action.update}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def depth_text(what: str, depth: int) -> str:
+    """PopART's refusal of too few micro-batches to fill the pipeline
+    (transforms/pipeline.cpp:1389 and :1396)."""
+    return (f"For pipelining, depth ({what}) must equal at least the number of pipeline stages "
+            f"({depth})")

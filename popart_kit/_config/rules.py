@@ -23,7 +23,7 @@ from .._base.arith import (
 )
 from .._base.names import VIRTUAL_GRAPH_MODE
 from .._base.problems import Problem
-from .._model.layout import depth_text
+from .._base.schedule import depth_text
 from ..errors import short
 from . import catalog
 

@@ -22,6 +22,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .._base.problems import Problem, emit_warnings, raise_errors
+from .._base.schedule import depth_text
 from ..errors import ModelError, ModelTypeError, short
 from .builder_settings import EXECUTION_PHASE
 from .builder_subgraphs import node_reads
@@ -341,13 +342,6 @@ def _names(items: Sequence[str]) -> str:
 
 def _count(items: Sequence[str]) -> str:
     return f"{len(items)} {'has' if len(items) == 1 else 'have'}"
-
-
-def depth_text(what: str, depth: int) -> str:
-    """PopART's refusal of too few micro-batches to fill the pipeline
-    (transforms/pipeline.cpp:1389 and :1396)."""
-    return (f"For pipelining, depth ({what}) must equal at least the number of pipeline stages "
-            f"({depth})")
 
 
 def _merged_depth(ipus: Sequence[int]) -> int:
