@@ -55,7 +55,8 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
     loaded from a path, from files inside the model's folder (onnx refuses ``..`` and links out
     of it); a model given as bytes or a ModelProto has no folder, so external data is refused.
     With ``popart_external`` (popart_kit.popart's sessions and Builder) external data is read
-    as PopART reads it, from any model (see :func:`read_popart_external_data`), and where
+    as PopART reads it, from any model (see :func:`read_popart_external_data`; a model file
+    also finds it in its own folder), and where
     each initializer's data came from is recorded in ``external_info`` when given.
     FLOAT16 weights PopART packed two to an int32 are read in ONNX's form."""
     if isinstance(model, onnx.ModelProto):
@@ -80,7 +81,9 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike, *,
             proto = onnx.load(os.fspath(model), load_external_data=not popart_external)
         _refuse_invalid_text(proto, where)
         if popart_external:
-            read_popart_external_data(proto, external_info)
+            folder = None if isinstance(model, bytes | bytearray) else os.path.dirname(
+                os.path.abspath(os.fspath(model)))
+            read_popart_external_data(proto, external_info, folder)
         return in_onnx_form(proto)   # PopART's packed FLOAT16 weights read as ONNX's
     except ModelError:
         raise
@@ -115,14 +118,23 @@ class ExternalInfo:
     length: int
 
     @classmethod
-    def of(cls, tensor: onnx.TensorProto) -> ExternalInfo:
-        """The tensor's external_data entries (not checked: see :meth:`problem`)."""
+    def of(cls, tensor: onnx.TensorProto, folder: str | None = None) -> ExternalInfo:
+        """The tensor's external_data entries (not checked: see :meth:`problem`). With
+        ``folder`` (the folder of a model read from a file), a relative location that is not
+        there from the working directory, as PopART reads it, but is in ``folder`` (where
+        ONNX's exporters put it) is taken from ``folder``."""
         info = {e.key: e.value for e in tensor.external_data}
         try:
             offset, length = int(info.get("offset") or 0), int(info.get("length") or 0)
         except ValueError:
             offset, length = -1, 0
-        return cls(info.get("location", ""), offset, length)
+        location = info.get("location", "")
+        if folder and location and not os.path.isabs(location) and \
+                not os.path.exists(location) and ".." not in location.replace("\\", "/").split("/"):
+            beside = os.path.join(folder, location)
+            if os.path.isfile(beside):
+                location = beside
+        return cls(location, offset, length)
 
     def problem(self, name: str) -> str:
         """PopART's refusal of this information for tensor ``name`` (onnxutil.cpp:179-200:
@@ -162,21 +174,23 @@ def _popart_bytes(data: bytes, most: int = 100) -> str:
 
 
 def read_popart_external_data(model: onnx.ModelProto,
-                              found: dict[str, ExternalInfo] | None = None) -> onnx.ModelProto:
+                              found: dict[str, ExternalInfo] | None = None,
+                              folder: str | None = None) -> onnx.ModelProto:
     """Read into ``model`` (in place) the data of its tensors kept in external files, as PopART
     does (onnxutil.cpp:162 ExternalTensorProtoInfo, :260 getConstData): ``location`` is a path,
     absolute or relative to the working directory (not to the model's folder), ``length``
     bytes from ``offset``. Refuses, with PopART's messages, a tensor without a location, a
     location that does not exist, a length <= 0 and a negative offset. Each initializer's
     information is recorded in ``found`` when given (PopART's Ir keeps it: modelToHost writes
-    the trained values back there)."""
+    the trained values back there). A model read from a file also finds a relative location in
+    its own ``folder`` when it is not in the working directory (:meth:`ExternalInfo.of`)."""
     if found is not None:
-        found.update((t.name, ExternalInfo.of(t)) for t in model.graph.initializer
+        found.update((t.name, ExternalInfo.of(t, folder)) for t in model.graph.initializer
                      if t.data_location == onnx.TensorProto.EXTERNAL)
     for tensor in _tensors(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        where = ExternalInfo.of(tensor)
+        where = ExternalInfo.of(tensor, folder)
         location, offset, length = where.location, where.offset, where.length
         problem = where.problem(tensor.name)
         data = b""

@@ -131,6 +131,17 @@ def test_external_data_is_written_and_read_as_popart_does(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="should be stored in weights.bin, but it doesn't "
                                            "exist or is not accessible"):
         popart.Builder(model)
+    # a model file whose data sits beside it (ONNX's exporters' convention) reads from any
+    # working directory; its bytes still do not
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    session = popart.InferenceSession(str(tmp_path / "model.onnx"), popart.DataFlow(1, [y]),
+                                      popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    session.run(popart.PyStepIO({x: np.ones(3, np.float32)}, anchors))
+    np.testing.assert_array_equal(anchors[y], w + 1)
+    with pytest.raises(popart.popart_exception, match="Unrecognised file name 'weights.bin'"):
+        popart.InferenceSession((tmp_path / "model.onnx").read_bytes(), popart.DataFlow(1, [y]),
+                                popart.DeviceManager().createCpuDevice())
 
 
 def _external_training(tmp_path, monkeypatch):
