@@ -512,3 +512,85 @@ def test_reducemedian_trains_through_a_popart_training_session():
     session.run(popart.PyStepIO({}, anchors))
     expected = (data == np.median(data, axis=1, keepdims=True)).astype(np.float32)
     np.testing.assert_array_equal(anchors[grad_w], expected)
+
+
+def test_an_integer_loss_backpropagates_integer_gradients_as_popart():
+    data = RNG.permutation(15).reshape(3, 5).astype(np.int32)
+    b = popart.Builder()
+    (x,) = inputs(b, x=data)
+    values, _ = b.aiGraphcore.reducemedian([x], axes=[1], keepdims=0)
+    total = b.aiOnnx.reducesum([values], keepdims=False)
+    loss = b.aiGraphcore.identityloss([total], reduction=popart.ReductionType.Sum)
+    grad_x = popart.reservedGradientPrefix() + x
+    session = popart.TrainingSession(fnModel=b.getModelProto(),
+                                     dataFlow=popart.DataFlow(1, [values, grad_x]), loss=loss,
+                                     optimizer=popart.ConstSGD(0.1),
+                                     deviceInfo=popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    session.run(popart.PyStepIO({x: data}, anchors))
+    median = np.sort(data, axis=1)[:, 2]
+    np.testing.assert_array_equal(anchors[values], median)
+    assert anchors[grad_x].dtype == np.int32  # the median's position gets the loss's 1
+    np.testing.assert_array_equal(anchors[grad_x], (data == median[:, None]).astype(np.int32))
+
+
+# -- dynamic slices, reshape, subsample (ops.py) -------------------------------------------------
+
+def test_dynamicslice_writes_into_its_slice_input_and_update_takes_a_dropped_axis():
+    data = unique(4, 3, 2)
+    b = popart.Builder()
+    x, i = inputs(b, x=data, i=np.array([2], np.uint32))
+    into = b.aiGraphcore.init([3, 2], popart.DataType.FLOAT, popart.InitType.Zero, "into")
+    # PopART: a third input is the tensor the slice goes into - its shape (axis 0 dropped)
+    sliced = b.aiGraphcore.dynamicslice([x, i, into], axes=[0], sizes=[1], noOverlap=True)
+    assert b.getTensorShape(sliced) == [3, 2]
+    updated = b.aiGraphcore.dynamicupdate([x, i, into], axes=[0], sizes=[1], noOverlap=True)
+    got = run(b, [sliced, updated], {"x": data, "i": np.array([2], np.uint32)})
+    np.testing.assert_array_equal(got[0], data[2])
+    want = data.copy()
+    want[2] = 0
+    np.testing.assert_array_equal(got[1], want)
+
+
+def test_graphcore_reshape_takes_zeros_and_one_minus_one_and_subsample_refuses_zero_strides():
+    data = unique(2, 4, 3)
+    b = popart.Builder()
+    (x,) = inputs(b, x=data)
+    out = b.aiGraphcore.reshape(x, shape=[-1, 0])  # reshape.cpp: 0 -> the input's size there
+    assert b.getTensorShape(out) == [6, 4]
+    np.testing.assert_array_equal(run(b, [out], {"x": data})[0], data.reshape(6, 4))
+    with pytest.raises(BuilderError, match=r"^Strides invalid\. 0 stride at index 1"):
+        b.aiGraphcore.subsample([x], [2, 0])
+
+
+# -- packedDataBlock (graphcore/packed.py, ops_control.py) ---------------------------------------
+
+def _unpack(data, offsets, lengths, width):
+    out = np.zeros((len(offsets), width) + data.shape[1:], data.dtype)
+    for s, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        out[s, :n] = data[o:o + n]
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_packeddatablock_unpacks_runs_the_callback_per_batch_and_packs(batch):
+    lengths = np.array([3, 1, 4, 2], np.uint32)
+    offsets = np.array([0, 3, 4, 8], np.uint32)
+    data = unique(10, 2)
+    b = popart.Builder()
+    x, o, n = inputs(b, x=data, o=offsets, n=lengths)
+    sub = b.createSubgraphBuilder()
+    seq = sub.addUntypedInputTensor()
+    sub.addOutputTensor(sub.aiOnnx.matmul([seq, sub.aiOnnx.transpose([seq], [0, 2, 1])]))
+    out = b.aiGraphcore.packedDataBlock([x, o, n, o, n], [4], 12, batch, sub)
+    assert b.getTensorShape(out) == [12, 4]
+    (got,) = run(b, [out], {"x": data, "o": offsets, "n": lengths})
+    seqs = _unpack(data, offsets, lengths, 4)
+    products = seqs @ seqs.transpose(0, 2, 1)  # [4 sequences, 4, 4]
+    want = np.zeros((12, 4), np.float32)  # rows never written stay zero (PopART's Init Zero)
+    for s, (start, count) in enumerate(zip(offsets, lengths, strict=True)):
+        want[start:start + count] = products[s, :count]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(BuilderError, match="Fix: give one per data input"):
+        b.aiGraphcore.packedDataBlock([x, o, n, o, n], [4, 4], 12, batch, sub)

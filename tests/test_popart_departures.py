@@ -10,10 +10,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import onnx
 import pytest
 
+import popart_kit.popart as popart
 from popart_kit._model.graphcore import GRAPHCORE_OPS
 from popart_kit._runtime.xla import operator_docs as docs
+from popart_kit._runtime.xla.lowering import lower
 from popart_kit._runtime.xla.op_table import OPS
 from popart_kit._runtime.xla.ops import GRAPHCORE, Ctx
 
@@ -198,4 +201,46 @@ def test_the_account_reads_every_popart_operator_and_cites_its_source():
         assert cited.search(source), (key, source)
     table = docs.markdown()
     assert "| Relu | 1, 6, 13, 14 | lowers | read: departs |" in table
-    assert "| Abs | 1, 6, 13 | lowers | read: as ONNX |" in table
+    assert "| Abs | 1, 6, 13 | lowers | read: departs |" in table
+    assert "| Acos | 7, 22 | lowers | read: departs |" in table
+
+
+def test_abs_and_reducel1_gradients_are_sign_x_zero_at_zero():
+    x = np.array([-2.0, 0.0, 3.0], f32)
+    np.testing.assert_array_equal(run("Abs", x), [2, 0, 3])
+    np.testing.assert_array_equal(grads("Abs", x)[0], [-1, 0, 1])  # absx: g sign(x)
+    np.testing.assert_array_equal(grads("ReduceL1", x, opset=11, keepdims=0)[0], [-1, 0, 1])
+    np.testing.assert_array_equal(grads("L1", x, domain=GRAPHCORE, reduction="Sum")[0],
+                                  [-1, 0, 1])  # l1x.cpp: lambda sign(x)
+
+
+@pytest.mark.parametrize("op_type,want", [
+    ("ReduceSum", lambda x: x), ("ReduceL1", np.abs), ("ReduceLogSum", np.log),
+    ("ReduceSumSquare", np.square), ("ReduceLogSumExp", lambda x: x)])
+def test_reduce_with_an_explicit_empty_axes_attribute_reduces_nothing(op_type, want):
+    data = np.abs(np.random.default_rng(3).standard_normal((2, 3))).astype(f32) + 0.5
+    b = popart.Builder(opsets={"ai.onnx": 11, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+    method = getattr(b.aiOnnx, op_type.lower())
+    empty, default = method([x], axes=[], keepdims=0), method([x], keepdims=0)
+    assert b.getTensorShape(empty) == [2, 3] and b.getTensorShape(default) == []
+    graph = lower(onnx.load_from_string(b.getModelProto()))
+    got = graph.evaluate(graph.weights, {x: data}, [empty, default])
+    np.testing.assert_allclose(np.asarray(got[empty]), want(data), rtol=1e-6)  # reduce.cpp
+    assert np.asarray(got[default]).shape == ()  # axes not given: every axis
+
+
+def test_scatter_takes_the_leading_block_of_larger_updates():
+    data, updates = np.zeros((3, 5), f32), np.arange(1, 11, dtype=f32).reshape(2, 5)
+    indices = np.array([[0, 1, 2, 0]], np.uint32)
+    want = data.copy()
+    for j in range(4):  # torch's scatter_ and PopART's: updates[:1, :4]
+        want[indices[0, j], j] = updates[0, j]
+    np.testing.assert_array_equal(run("Scatter", data, indices, updates, opset=9, axis=0), want)
+
+
+def test_l1_loss_of_float16_accumulates_wider_than_float16():
+    x = np.full((100000,), 0.75, np.float16)  # a float16 sum would overflow (65504)
+    mean = run("L1", x, domain=GRAPHCORE, reduction="Mean")
+    assert mean.dtype == np.float16 and float(mean) == 0.75
+    assert float(run("L1", x[:1000], domain=GRAPHCORE, reduction="Sum")) == 750

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import popart_kit.popart as popart
 from popart_kit._runtime.xla.ops import _nll_log
@@ -82,3 +83,36 @@ def test_softmax_then_nll_sends_popart_s_direct_gradient_to_the_logits():
     np.testing.assert_allclose(anchors[grad], expected, rtol=1e-6, atol=1e-7)
     assert anchors[grad][0, 2] == -1.0 and np.isclose(anchors[loss],
                                                       -np.log(1e-7) - np.log(anchors[probs][1, 1]))
+
+
+def test_nll_refuses_labels_not_shaped_as_the_probabilities_rows_in_popart_s_words():
+    b = popart.Builder()
+    probs = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4, 3]))
+    label = b.addInputTensor(popart.TensorInfo("INT32", [2, 5]))
+    loss = b.aiGraphcore.nllloss([probs, label])
+    with pytest.raises(popart.popart_exception) as refused:
+        popart.TrainingSession(fnModel=b.getModelProto(), dataFlow=popart.DataFlow(1, [loss]),
+                               loss=loss, optimizer=popart.ConstSGD(0.1),
+                               deviceInfo=popart.DeviceManager().createCpuDevice())
+    assert refused.value.args[0].startswith(  # nll.cpp
+        "The label tensor (INT32   [2 5]) must have shape [2 4] to match all but the final "
+        "dimension of the probabilities tensor (FLOAT   [2 4 3])")
+
+
+def test_a_gradient_anchor_on_a_constant_gets_its_gradient_as_popart_gives_it():
+    table = np.arange(9, dtype=np.float32).reshape(3, 3)
+    b = popart.Builder()
+    const = b.aiOnnx.constant(table)
+    rows = b.aiOnnx.gather([const, b.aiOnnx.constant(np.array([0, 2, 2], np.int32))], 0)
+    loss = b.aiGraphcore.identityloss([rows], reduction=popart.ReductionType.Sum)
+    grad = popart.reservedGradientPrefix() + const
+    session = popart.TrainingSession(fnModel=b.getModelProto(),
+                                     dataFlow=popart.DataFlow(1, [rows, grad]), loss=loss,
+                                     optimizer=popart.ConstSGD(0.1),
+                                     deviceInfo=popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    session.run(popart.PyStepIO({}, anchors))
+    np.testing.assert_array_equal(anchors[rows], table[[0, 2, 2]])
+    # not folded away: the gather's gradient, row 2 taken twice
+    np.testing.assert_array_equal(anchors[grad], np.array([[1] * 3, [0] * 3, [2] * 3], np.float32))

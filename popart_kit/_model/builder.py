@@ -221,11 +221,14 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
     outputs = values.get("num_outputs") or op.fixed_outputs
     if not any(a[0] == "num_outputs" for a in op.attributes):
         values.pop("num_outputs", None)
-    attrs = {}
+    attrs, empty = {}, []
     for attr_name, attr_type, required, default in op.attributes:
         value = values[attr_name]
         if attr_type in _LIST_ATTRIBUTES and value is not None and not isinstance(value, str):
             value = list(value)  # any sequence, as pybind takes one: a tuple, a range
+        if isinstance(value, list) and not value and default is None:  # a Reduce's axes=[]:
+            # PopART writes it (an optional list, given)
+            empty.append(attr_name)
         if value is None or (isinstance(value, list | str) and not value):
             continue
         # PopART's generated builder (builder.gen.cpp) writes a float or string attribute only
@@ -244,7 +247,11 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
         attrs[attr_name] = value
     if op.op_type == "Conv":
         _verify_conv(builder, inputs, attrs)
-    ids = builder._add_node(op.op_type, inputs, outputs, attrs, name)
+    # PopART's ReduceOp reduces nothing for an explicit empty axes (ONNX would reduce all)
+    out_types = [builder._types[inputs[0]]] if empty and inputs[0] in builder._types else None
+    ids = builder._add_node(op.op_type, inputs, outputs, attrs, name, out_types=out_types)
+    builder._graph.node[-1].attribute.extend(
+        helper.make_attribute(k, [], attr_type=onnx.AttributeProto.INTS) for k in empty)
     return ids if op.returns_list else ids[0]
 
 
@@ -422,12 +429,10 @@ class _AiGraphcore:
     def packedDataBlock(self, args: Sequence[str], maxSequenceLengths: Sequence[int],
                         resultSize: int, callbackBatchSize: int, callback: Builder,
                         debugName: str = "") -> str:
-        """Refused: PopART's PackedDataBlock unpacks sequences into fixed-size batches for a
-        callback graph in a way the xla backend does not reproduce."""
-        raise BuilderError("aiGraphcore.packedDataBlock is not supported by popart_kit (the "
-                           "xla backend has no PackedDataBlock). Fix: unpack the sequences on "
-                           "the host, padded to maxSequenceLengths, and run the callback's "
-                           "graph on them with aiGraphcore.call.")
+        """PopART's PackedDataBlock: see :mod:`.graphcore.packed`."""
+        from .graphcore.packed import packed_data_block
+        return packed_data_block(self._builder, args, maxSequenceLengths, resultSize,
+                                 callbackBatchSize, callback, debugName)
 
     def call(self, args: Sequence[str], num_outputs: int, callee: Builder,
              debugName: str = "") -> list[str]:

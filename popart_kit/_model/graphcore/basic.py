@@ -3,6 +3,7 @@ bindings, builder.hpp)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,7 +11,18 @@ from ._registry import REQUIRED, GraphcoreOp, TensorType, register
 
 
 def _reshaped(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[TensorType]:
-    return [(inputs[0][0], list(attrs["shape"]))]
+    """PopART's ReshapeOp shape: a 0 takes the input's size there, one -1 is inferred."""
+    dtype, given = inputs[0]
+    shape = list(attrs["shape"])
+    if given is None or any(not isinstance(d, int) or d < 0 for d in given):
+        return [(dtype, shape)]
+    shape = [given[i] if d == 0 and i < len(given) else d for i, d in enumerate(shape)]
+    if shape.count(-1) == 1:
+        known = -math.prod(shape)
+        total = math.prod(given)
+        if known and total % known == 0:
+            shape[shape.index(-1)] = total // known
+    return [(dtype, shape)]
 
 
 def _subsampled(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[TensorType]:
@@ -18,11 +30,17 @@ def _subsampled(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[
     if shape is None:
         return [(dtype, None)]
     strides = list(attrs["strides"]) + [1] * (len(shape) - len(attrs["strides"]))
+    zero = next((i for i, s in enumerate(strides) if s == 0), None)
+    if zero is not None:  # PopART's text (subsample.cpp)
+        raise ValueError(f"Strides invalid. 0 stride at index {zero} (strides {strides}): "
+                         f"every stride must be at least 1.")
     return [(dtype, [-(-d // s) for d, s in zip(shape, strides, strict=False)])]
 
 
 def _sliced(inputs: Sequence[TensorType], attrs: Mapping[str, Any]) -> list[TensorType]:
     dtype, shape = inputs[0]
+    if len(inputs) > 2:  # DynamicSlice's slice input: the output takes its shape (PopART)
+        return [(dtype, inputs[2][1])]
     if shape is None:
         return [(dtype, None)]
     shape = list(shape)

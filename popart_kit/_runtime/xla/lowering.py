@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -491,16 +491,19 @@ def _with_bodies(node: onnx.NodeProto, attrs: dict[str, Any], opset: int, scope:
 
 
 def lower(model: onnx.ModelProto | bytes | str | Path,
-          static_inputs: Mapping[str, Any] | None = None) -> LoweredGraph:
+          static_inputs: Mapping[str, Any] | None = None,
+          unfolded: Collection[str] = ()) -> LoweredGraph:
     """Check every node of ``model`` and prepare it for :meth:`LoweredGraph.evaluate`.
 
     ``static_inputs``: values for graph inputs that may serve as compile-time constants (a
     shape or axes fed as an input); they are folded in only where the graph needs a constant,
-    and are then no longer inputs. Raises :class:`UnsupportedModel` listing every problem.
+    and are then no longer inputs. ``unfolded``: tensors computed when running rather than
+    folded (gradient anchors on constants: PopART differentiates them), unless a compile-time
+    input needs them. Raises :class:`UnsupportedModel` listing every problem.
     """
     model = load_model(model)
     given = {k: np.asarray(v) for k, v in (static_inputs or {}).items()}
-    return _lower_graph(model.graph, _opset(model), given, None)
+    return _lower_graph(model.graph, _opset(model), given, None, frozenset(unfolded))
 
 
 def _entry(node: onnx.NodeProto) -> Op | None:
@@ -511,7 +514,7 @@ def _entry(node: onnx.NodeProto) -> Op | None:
 
 
 def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray],
-                 outer: _Outer | None) -> LoweredGraph:
+                 outer: _Outer | None, unfolded: frozenset[str] = frozenset()) -> LoweredGraph:
     """:func:`lower` for one graph: the model's, or (``outer`` given: the enclosing graph's
     tensors) the body of a Call, If, Loop or Scan node, whose initializers are constants, whose
     inputs take the types of what the node passes, and which may read the enclosing graph's
@@ -617,7 +620,8 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
             problems.append(f"{where}: input {i} ({name!r}) must be a compile-time constant - "
                             f"an initializer, a Constant or computed from shapes{hint}")
         is_static = not (entry.random or draws_random(node)) and (entry.shape_only or all(
-            flags[i] for i, n in enumerate(node.input) if n))
+            flags[i] for i, n in enumerate(node.input) if n)) and not any(
+            o in unfolded and o not in needed for o in node.output)
         if is_static:
             static.update(o for o in node.output if o)
         values = [known.get(i, UNKNOWN) if i else None for i in node.input]

@@ -101,6 +101,9 @@ DEPARTURES: dict[str, tuple[Departure, ...]] = {
     "ai.onnx.Shrink": (
         Departure("gradient 0.5 (1 + sign(|x| - lambd)): 0.5 at |x| = lambd (autodiff: 0)",
                   "popx/op/shrinkx.cpp:102"),),
+    "ai.onnx.Abs": (
+        Departure("gradient sign(x) g: 0 at x = 0 (autodiff: g)",
+                  "popx/op/absx.cpp:33; patterns/elementwisegradoppattern.cpp:17"),),
     "ai.onnx.Max": (Departure(f"gradient: {_TIES}", "popx/op/maxx.cpp:100"),),
     "ai.onnx.Min": (Departure(f"gradient: {_TIES}", "popx/op/minx.cpp:99"),),
     "ai.onnx.ReduceMax": (
@@ -252,7 +255,6 @@ DEPARTURES: dict[str, tuple[Departure, ...]] = {
 #: "domain.Op" -> PopART's implementation read, and found to compute the ONNX formula (or
 #: PopART's documented one for ai.graphcore) with the gradient autodiff gives.
 AGREES: dict[str, str] = {
-    "ai.onnx.Abs": "popx/op/absx.cpp:33; grad sign(x) g (patterns/elementwisegradoppattern.cpp:17)",
     "ai.onnx.Add": "popx/op/addx.cpp:54; grads reduce to the input shape",
     "ai.onnx.And": "popx/op/andx.cpp:33",
     "ai.onnx.ArgMax": "popx/op/argextremax.cpp:67 (int32 out, as the Builder types it)",
@@ -327,7 +329,8 @@ AGREES: dict[str, str] = {
     "ai.onnx.ReduceSumSquare": "popx/op/reducesumsquarex.cpp:83 (grad 2 g x)",
     "ai.onnx.Reshape": "popx/op/reshapex.cpp",
     "ai.onnx.RoiAlign": "popx/op/roialignx.cpp",
-    "ai.onnx.Scatter": "popx/op/scatterx.cpp:77",
+    "ai.onnx.Scatter": "popx/op/scatterx.cpp:77 (updates larger than the indices: their "
+                       "leading block, as torch's scatter_)",
     "ai.onnx.ScatterElements": "popx/op/scatterx.cpp",
     "ai.onnx.Shape": "ces/onnxconstexpr.cpp:30 (folded on the host)",
     "ai.onnx.Sign": "popx/op/signx.cpp:36",
@@ -364,8 +367,10 @@ AGREES: dict[str, str] = {
     "ai.graphcore.DepthToSpace": "onnxpasses/nodepatterns/spacedepth.cpp:52",
     "ai.graphcore.Detach": "popx/op/detachx.cpp",
     "ai.graphcore.DynamicAdd": "popx/op/dynamic/dynamicaddx.cpp",
-    "ai.graphcore.DynamicSlice": "popx/op/dynamic/dynamicslicex.cpp",
-    "ai.graphcore.DynamicUpdate": "popx/op/dynamic/dynamicupdatex.cpp",
+    "ai.graphcore.DynamicSlice": "popx/op/dynamic/dynamicslicex.cpp:66 (a third input: the "
+                                 "slice copied into its shape)",
+    "ai.graphcore.DynamicUpdate": "popx/op/dynamic/dynamicupdatex.cpp (the update reshaped "
+                                  "to the slice)",
     "ai.graphcore.DynamicZero": "popx/op/dynamic/dynamiczerox.cpp",
     "ai.graphcore.Expm1": "popx/op/expm1x.cpp:45; grad g (out + 1) "
                           "(patterns/expm1gradoppattern.cpp:70)",
@@ -374,7 +379,8 @@ AGREES: dict[str, str] = {
     "ai.graphcore.IdentityLoss": "popx/op/identityx.cpp:72-82",
     "ai.graphcore.IncrementMod": "popx/op/incrementmodx.cpp:95",
     "ai.graphcore.Init": "popx/op/initx.cpp",
-    "ai.graphcore.L1": "popx/op/l1x.cpp:49-129 (lambda |x|, grad lambda sign(x))",
+    "ai.graphcore.L1": "popx/op/l1x.cpp:49-129 (lambda |x|, grad lambda sign(x); the "
+                       "reduction accumulated in float32 at least)",
     "ai.graphcore.LSTM": "popx/op/popartlstmx.cpp (popnn LSTM, PopART's layout)",
     "ai.graphcore.Log1p": "popx/op/log1px.cpp:45; grad g/(1 + x) "
                           "(patterns/log1pgradoppattern.cpp:66)",
@@ -384,7 +390,8 @@ AGREES: dict[str, str] = {
     "ai.graphcore.PrintTensor": "popx/op/printtensorx.cpp",
     "ai.graphcore.ReplicatedAllReduce": "popx/op/collectives (over the replicas)",
     "ai.graphcore.ReplicatedReduceScatter": "popx/op/collectives (over the replicas)",
-    "ai.graphcore.Reshape": "popx/op/reshapex.cpp",
+    "ai.graphcore.Reshape": "popx/op/reshapex.cpp; op/reshape.cpp:136 (0: the input's "
+                            "size, one -1 inferred)",
     "ai.graphcore.Reverse": "popx/op/reversex.cpp",
     "ai.graphcore.Scale": "popx/op/scalex.cpp:43",
     "ai.graphcore.ScaledAdd": "popx/op/scaledaddx.cpp:59-69",
@@ -395,7 +402,20 @@ AGREES: dict[str, str] = {
     "ai.graphcore.Subsample": "popx/op/subsamplex.cpp",
     "ai.graphcore.Swish": "popx/op/swishx.cpp:49, 72 (popnn SWISH, x sigmoid(x))",
     "ai.graphcore.TensorRemap": "popx/op/tensorremapx.cpp (a layout change only)",
+    "ai.graphcore.PackedDataBlock": "op/packeddatablock.cpp; patterns/packeddatablockpattern"
+                                    ".cpp (unpack, callback per batch, pack into zeros)",
 }
+
+# PopART's Builder writes a Reduce's axes=[] (before axes became an input) and its ReduceOp
+# then reduces nothing, where ONNX reduces every axis: each Reduce departs there
+for _name in ("L1", "L2", "LogSum", "LogSumExp", "Max", "Mean", "Min", "Prod", "Sum",
+              "SumSquare"):
+    _key = f"ai.onnx.Reduce{_name}"
+    _read_at = AGREES.pop(_key, None)
+    DEPARTURES[_key] = (*DEPARTURES.get(_key, ()), Departure(
+        "axes=[] (an attribute) reduces nothing: the elementwise part only (ReduceL1: |x|); "
+        "ONNX reduces every axis" + (f" (also read: {_read_at})" if _read_at else ""),
+        "op/reduce.cpp:41; builder.gen.cpp:4077"))
 
 #: Operators the table holds only to refuse them, with the reason.
 REFUSED: dict[str, str] = {
@@ -474,8 +494,9 @@ def markdown() -> str:
             note = _account(key)
         lines.append(f"| {method} | {op_type} | {status} | {_read(key, True)} "
                      f"| {_cell(note)} |")
-    lines.append("| packedDataBlock | PackedDataBlock | refused | unread | unpacks sequences "
-                 "for a callback graph the xla backend does not reproduce. |")
+    key = "ai.graphcore.PackedDataBlock"
+    lines.append(f"| packedDataBlock | PackedDataBlock | lowers | {_read(key, True)} "
+                 f"| {_cell(_account(key))} |")
     return "\n".join(lines) + "\n"
 
 

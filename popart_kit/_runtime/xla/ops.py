@@ -295,6 +295,24 @@ def _popart_relu(x: Any) -> Any:
 
 
 @jax.custom_vjp
+def _popart_abs(x: Any) -> Any:
+    """|x| with PopART's gradient sign(x) (AbsGradOp as Sign * grad): 0 at x = 0, where
+    autodiff gives 1."""
+    return jnp.abs(x)
+
+
+def _popart_abs_fwd(x: Any) -> tuple[Any, Any]:
+    return jnp.abs(x), x
+
+
+def _popart_abs_bwd(x: Any, g: Any) -> tuple[Any]:
+    return ((g * jnp.sign(x)).astype(g.dtype),)
+
+
+_popart_abs.defvjp(_popart_abs_fwd, _popart_abs_bwd)
+
+
+@jax.custom_vjp
 def _popart_sinh(x: Any) -> Any:
     """PopART's Sinh, 0.5 (exp(x) - 1/exp(x)), with its gradient 0.5 (exp(x) + 1/exp(x))."""
     e = jnp.exp(x)
@@ -455,7 +473,7 @@ def _extreme(biggest: bool) -> Callable[[Any, Any, bool], Any]:
 
 _UNARY: dict[str, Callable[[Any], Any]] = {
     "Identity": lambda x: x,
-    "Abs": jnp.abs, "Neg": jnp.negative, "Sign": jnp.sign,
+    "Abs": _popart_abs, "Neg": jnp.negative, "Sign": jnp.sign,
     "Exp": jnp.exp, "Log": jnp.log, "Sqrt": jnp.sqrt, "Reciprocal": jnp.reciprocal,
     "Floor": jnp.floor, "Ceil": jnp.ceil, "Round": jnp.round,
     "Relu": _popart_relu,
@@ -996,6 +1014,11 @@ def _scatter(target: Any, reduction: str, updates: Any) -> Any:
 @op("ScatterElements", "Scatter", check=_one_of("reduction", "none", *_SCATTER))
 def scatter_elements(ctx: Ctx, data: Any, indices: Any, updates: Any) -> Any:
     axis = _axis(ctx.attr("axis", 0), data.ndim)
+    big, small = jnp.shape(updates), jnp.shape(indices)
+    if len(big) == len(small) and big != small and all(
+            u >= i for u, i in zip(big, small, strict=True)):
+        # larger updates: their leading block of the indices' shape (PopART, as torch)
+        updates = updates[tuple(slice(0, n) for n in jnp.shape(indices))]
     grid = list(jnp.indices(indices.shape, sparse=True))
     grid[axis] = _nonneg(indices, data.shape[axis])
     return _scatter(jnp.asarray(data).at[tuple(grid)], ctx.attr("reduction", "none"), updates)
@@ -1106,7 +1129,7 @@ _REDUCE: dict[str, tuple[int, Callable[[Any, Any, bool], Any]]] = {
     "ReduceProd": (18, lambda x, a, k: jnp.prod(x, a, keepdims=k, dtype=x.dtype)),
     "ReduceMax": (18, _extreme(True)),  # PopART's gradient: see _popart_reduce_extreme
     "ReduceMin": (18, _extreme(False)),
-    "ReduceL1": (18, lambda x, a, k: jnp.sum(jnp.abs(x), a, keepdims=k, dtype=x.dtype)),
+    "ReduceL1": (18, lambda x, a, k: jnp.sum(_popart_abs(x), a, keepdims=k, dtype=x.dtype)),
     "ReduceL2": (18, lambda x, a, k: jnp.sqrt(jnp.sum(x * x, a, keepdims=k))),
     "ReduceSumSquare": (18, lambda x, a, k: jnp.sum(x * x, a, keepdims=k, dtype=x.dtype)),
     "ReduceLogSum": (18, lambda x, a, k: jnp.log(jnp.sum(x, a, keepdims=k))),
@@ -1117,6 +1140,8 @@ _REDUCE: dict[str, tuple[int, Callable[[Any, Any, bool], Any]]] = {
 def _reduce(since: int, fn: Callable[[Any, Any, bool], Any]) -> Callable[..., Any]:
     def run(ctx: Ctx, x: Any, axes: Any = None) -> Any:
         axes = _axes(ctx, since)
+        if axes == [] and ctx.opset < since:  # PopART's ReduceOp: an explicit empty axes
+            return fn(x, (), False).astype(x.dtype)  # attribute reduces nothing (ReduceL1: |x|)
         if not axes:
             if ctx.opset >= since and ctx.attr("noop_with_empty_axes", 0):
                 return x
@@ -1519,15 +1544,18 @@ def _popart_reduce(ctx: Ctx, loss: Any, count: Any = None) -> Any:
     reduction = ctx.attr("reduction", "Mean")
     if reduction == "None":
         return loss
-    total = jnp.sum(loss)
+    # accumulated in float32 at least (popops' reductions of float16), then cast back: a
+    # float16 sum of many elements would overflow where PopART's does not
+    wide = jnp.promote_types(loss.dtype, jnp.float32) if _is_float(loss) else loss.dtype
+    total = jnp.sum(loss, dtype=wide)
     if reduction == "Sum":
-        return total
+        return total.astype(loss.dtype)
     return (total / (loss.size if count is None else count)).astype(loss.dtype)
 
 
 @op("L1", domain=GRAPHCORE, check=_check_popart_reduction)
 def l1_loss(ctx: Ctx, x: Any) -> Any:
-    return _popart_reduce(ctx, ctx.attr("lambda", 1.0) * jnp.abs(x))
+    return _popart_reduce(ctx, ctx.attr("lambda", 1.0) * _popart_abs(x))  # l1x: grad sign(x)
 
 
 @op("IdentityLoss", domain=GRAPHCORE, check=_check_popart_reduction)
@@ -1561,6 +1589,13 @@ def _nll_log_bwd(p: Any, g: Any) -> tuple[Any]:
 _nll_log.defvjp(_nll_log_fwd, _nll_log_bwd)
 
 
+def _popart_info(x: Any) -> str:
+    """A tensor's type and shape as PopART's TensorInfo prints them: ``FLOAT   [2 4 3]``."""
+    name = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16",
+            "float64": "DOUBLE", "bool": "BOOL"}.get(str(x.dtype), str(x.dtype).upper())
+    return f"{name:<8}[{' '.join(str(d) for d in jnp.shape(x))}]"
+
+
 @op("Nll", domain=GRAPHCORE, check=_check_popart_reduction)
 def popart_nll(ctx: Ctx, probs: Any, label: Any, logits: Any = None) -> Any:
     """PopART's Nll: classes on the last axis; ``inputIsLogProbability`` takes -x[label],
@@ -1569,6 +1604,15 @@ def popart_nll(ctx: Ctx, probs: Any, label: Any, logits: Any = None) -> Any:
     ``probs`` (over the last axis), the gradient goes to them directly as p - onehot, as
     PopART's default pattern NlllWithSoftmaxGradDirect gives it (finite where the chain rule
     through log is not), and none to ``probs``."""
+    if jnp.shape(label) != jnp.shape(probs)[:-1]:  # nll.cpp's check, in its words
+        want = " ".join(str(d) for d in jnp.shape(probs)[:-1])
+        text = (f"The label tensor ({_popart_info(label)}) must have shape [{want}] to match "
+                f"all but the final dimension of the probabilities tensor "
+                f"({_popart_info(probs)}) in Op {ctx.name}.")
+        refusal = UnsupportedModel([f"{ctx.name} (Nll): {text} Fix: give one label per row "
+                                    f"of the probabilities."])
+        refusal.popart_text = text  # type: ignore[attr-defined]
+        raise refusal
     ignore = ctx.attr("ignoreIndex")
     mask = jnp.ones(label.shape, bool) if ignore is None else label != ignore
     safe = jnp.where(mask, label, 0)
@@ -1650,7 +1694,9 @@ def popart_increment_mod(ctx: Ctx, x: Any) -> Any:
 
 @op("Reshape", domain=GRAPHCORE)
 def popart_reshape(ctx: Ctx, x: Any) -> Any:
-    return jnp.reshape(x, tuple(ctx.attr("shape")))
+    """PopART's ReshapeOp: a 0 takes the input's size at that position, one -1 is inferred."""
+    dims = [x.shape[i] if d == 0 else d for i, d in enumerate(ctx.attr("shape"))]
+    return jnp.reshape(x, tuple(dims))
 
 
 @op("Subsample", domain=GRAPHCORE)
@@ -1679,13 +1725,19 @@ def _dynamic_sizes(ctx: Ctx, x: Any) -> list[int]:
 
 
 @op("DynamicSlice", domain=GRAPHCORE)
-def popart_dynamic_slice(ctx: Ctx, x: Any, offset: Any) -> Any:
-    return lax.dynamic_slice(x, _dynamic_starts(ctx, x, offset), _dynamic_sizes(ctx, x))
+def popart_dynamic_slice(ctx: Ctx, x: Any, offset: Any, slice_in: Any = None) -> Any:
+    """The slice; with PopART's optional third input (the tensor the slice is written into),
+    the slice copied into that tensor's shape (its size: a sliced axis of size 1 dropped)."""
+    out = lax.dynamic_slice(x, _dynamic_starts(ctx, x, offset), _dynamic_sizes(ctx, x))
+    return out if slice_in is None else jnp.reshape(out, jnp.shape(slice_in))
 
 
 @op("DynamicUpdate", domain=GRAPHCORE)
 def popart_dynamic_update(ctx: Ctx, x: Any, offset: Any, update: Any) -> Any:
-    return lax.dynamic_update_slice(x, update.astype(x.dtype), _dynamic_starts(ctx, x, offset))
+    """``x`` with the slice at ``offset`` replaced by ``update``, which may leave out a sliced
+    axis of size 1 (PopART reshapes it to the slice)."""
+    update = jnp.reshape(update, _dynamic_sizes(ctx, x)).astype(x.dtype)
+    return lax.dynamic_update_slice(x, update, _dynamic_starts(ctx, x, offset))
 
 
 @op("DynamicZero", domain=GRAPHCORE)

@@ -85,6 +85,56 @@ def call(ctx: Ctx, *inputs: Any) -> tuple[Any, ...]:
         return tuple(ctx.attr("callee")(args, scope))
 
 
+# -- PackedDataBlock ----------------------------------------------------------------------------
+
+def _check_packed(ctx: Ctx) -> None:
+    own = len(ctx.inputs) - len(ctx.attr("__outer", ()))
+    data = (own - 2) // 3
+    if own < 5 or (own - 2) % 3 or len(ctx.attr("maxSequenceLengths", ())) != data:
+        raise NotSupported(f"PackedDataBlock takes [data, offsets, lengths] per data input, "
+                           f"then the result's offsets and lengths, with one "
+                           f"maxSequenceLengths each: got {own} inputs and maxSequenceLengths "
+                           f"{list(ctx.attr('maxSequenceLengths', ()))}")
+    _check_counts("PackedDataBlock's callback", ctx.attr("callback"), data, 1)
+
+
+def _unpack(data: Any, offsets: Any, lengths: Any, width: int) -> Any:
+    """[S, width, ...]: sequence s is data[offsets[s]:offsets[s] + lengths[s]], zero-padded."""
+    steps = jnp.arange(width)
+    rows = offsets.astype(jnp.int32)[:, None] + steps
+    inside = (steps < lengths.astype(jnp.int32)[:, None]) & (rows < data.shape[0])
+    taken = jnp.take(data, jnp.clip(rows, 0, data.shape[0] - 1), axis=0)
+    mask = inside.reshape(inside.shape + (1,) * (data.ndim - 1))
+    return jnp.where(mask, taken, jnp.zeros((), data.dtype))
+
+
+@op("PackedDataBlock", domain=GRAPHCORE, check=_check_packed)
+def packed_data_block(ctx: Ctx, *inputs: Any) -> Any:
+    """PopART's PackedDataBlock (its pattern's Loop of SequenceSlices): each data input's
+    sequences unpacked to [S, maxSequenceLength, ...], the callback run on
+    callbackBatchSize of them at a time (S // callbackBatchSize calls), and the first
+    resultLengths[s] rows of each result sequence s written at resultOffsets[s] into zeros of
+    [resultSize, ...]."""
+    args, scope = _split(ctx, inputs)
+    batch, size = int(ctx.attr("callbackBatchSize")), int(ctx.attr("resultSize"))
+    *packed, out_offsets, out_lengths = args
+    calls = jnp.shape(out_offsets)[0] // batch
+    unpacked = []
+    for i, width in enumerate(ctx.attr("maxSequenceLengths")):
+        data, offsets, lengths = (jnp.asarray(a) for a in packed[3 * i:3 * i + 3])
+        seqs = _unpack(data, offsets[:calls * batch], lengths[:calls * batch], int(width))
+        unpacked.append(seqs.reshape((calls, batch) + seqs.shape[1:]))
+    callback = ctx.attr("callback")
+    results = lax.map(lambda xs: callback(list(xs), scope)[0], tuple(unpacked))
+    results = results.reshape((calls * batch,) + results.shape[2:])  # [S, length, ...]
+    steps = jnp.arange(results.shape[1])
+    rows = jnp.asarray(out_offsets)[:calls * batch].astype(jnp.int32)[:, None] + steps
+    written = steps < jnp.asarray(out_lengths)[:calls * batch].astype(jnp.int32)[:, None]
+    rows = jnp.where(written, rows, size)  # out of range: dropped
+    out = jnp.zeros((size,) + results.shape[2:], results.dtype)
+    return out.at[rows].set(results, mode="drop")
+
+
 # -- If -----------------------------------------------------------------------------------------
 
 def _check_if(ctx: Ctx) -> None:

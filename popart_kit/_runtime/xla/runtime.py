@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
+from ..._base.names import GRADIENT_PREFIX
 from ..._base.problems import Problem, emit_warnings, raise_errors, under_popart_rules, warn
 from ..._base.shapes import AnchorReturnType, StepShape
 from ..._host.stepio import StepIOFactory, TensorSpec
@@ -86,7 +87,8 @@ class XlaBackend:
         # lowered with their replica shape, kept [groups, *shape] in the state
         self.groupings = groupings_for(model, config)
         self.graph: LoweredGraph = lower(  # refuses unsupported operators, all at once
-            replica_model(model, self.groupings))
+            replica_model(model, self.groupings),  # a gradient anchor's tensor is not folded
+            unfolded={a[len(GRADIENT_PREFIX):] for a in anchors if a.startswith(GRADIENT_PREFIX)})
         check_grouped_weights(self.groupings, self.graph)
         problems = self._problems(anchors, micro_batches_per_chunk, pipeline_workers)
         options = all(p.loc[0] in ("micro_batches_per_chunk", "pipeline_workers")

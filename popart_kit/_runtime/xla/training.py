@@ -279,6 +279,8 @@ class XlaTrainingBackend(XlaBackend):
         out = []
         for anchor, tensor in self.gradient_anchors.items():
             spec = self.io.anchors[anchor][0]
+            if np.issubdtype(spec.dtype, np.integer) and self._integer_loss():
+                continue  # PopART backpropagates an integer loss in integers
             if not np.issubdtype(spec.dtype, np.floating):
                 out.append(Problem(("anchors", anchor), f"{tensor!r} is {spec.dtype}: it has no "
                                    f"gradient.", "anchor the gradient of a floating-point "
@@ -289,6 +291,12 @@ class XlaTrainingBackend(XlaBackend):
                                    f"it.", "anchor the gradient of an input, a weight or an "
                                    "activation.", "K-gradient-constant"))
         return out
+
+    def _integer_loss(self) -> bool:
+        """Whether the loss is an integer tensor (the whole backward pass then is too)."""
+        loss = self.loss
+        return loss in self.graph.tensors and np.issubdtype(
+            self._shapes(self.io.inputs, [loss])[loss].dtype, np.integer)
 
     def _loss_inputs(self, loss: str) -> set[str]:
         """Every tensor the loss depends on, read back through the graph."""
@@ -346,9 +354,11 @@ class XlaTrainingBackend(XlaBackend):
                                      *(i for i in (tracking.inputs if tracking else ())
                                        if i not in self.graph.known)]))
         lead = (self.chunk, self.placement.per_device)
-        probes = {tensor: jnp.zeros(lead + self.io.anchors[anchor][0].shape,
-                                    self.io.anchors[anchor][0].dtype)
-                  for anchor, tensor in gradients.items()}
+        # an integer tensor's probe is float32: what it feeds is then computed in float32,
+        # its gradient cast back to the integer anchor (PopART backpropagates integers)
+        specs = {tensor: self.io.anchors[anchor][0] for anchor, tensor in gradients.items()}
+        probes = {tensor: jnp.zeros(lead + spec.shape, spec.dtype if np.issubdtype(
+                      spec.dtype, np.inexact) else np.float32) for tensor, spec in specs.items()}
         if tracking:
             probes.update({t: jnp.zeros(lead + tuple(shape), dtype) for t, (shape, dtype)
                            in self._als_probes.items() if t not in probes})
@@ -360,7 +370,10 @@ class XlaTrainingBackend(XlaBackend):
             # gradients leave the backward pass scaled by the loss scaling, as in PopART;
             # the optimizer divides it out
             scale = hyper.get("loss_scaling", 1.0)
-            return jnp.sum(values[self.loss]) * scale, values
+            total = jnp.sum(values[self.loss])
+            if not jnp.issubdtype(total.dtype, jnp.inexact):  # an integer loss (PopART's)
+                total = total.astype(jnp.float32)
+            return total * scale, values
 
         with recomputation(self._recomputation()):  # what the backward recomputes
             (grads, probed), values = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(
