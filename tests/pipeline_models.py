@@ -54,10 +54,12 @@ def session(stages, replicas, training, pipelined, bps, acc=1, recompute="none",
     return sess, feed
 
 
-def simulate_continuous(weights: dict, xs: np.ndarray, stages: int, lr: float):
+def simulate_continuous(weights: dict, xs: np.ndarray, stages: int, lr: float,
+                        history: dict | None = None):
     """PopART's continuous pipelining by hand: cycle t runs pipeline stage p on micro-batch
     t - p, stages in order; a backward reads the weight as it is then and the activations its
-    forward stashed, and its stage's weight update follows it at once."""
+    forward stashed, and its stage's weight update follows it at once. ``history``, given, gets
+    ``{(weight, m): value}`` once micro-batch m's update has made it."""
     w = [weights[f"w{s}"].astype(np.float64).copy() for s in range(stages)]
     m_count, depth = len(xs), 2 * stages - 1
     act, stash, grad, losses = {}, {}, {}, {}
@@ -77,10 +79,14 @@ def simulate_continuous(weights: dict, xs: np.ndarray, stages: int, lr: float):
                 g = 2 * y
                 grad[(p, m)] = g @ w[p].T
                 w[p] -= lr * a_in.T @ g
+                if history is not None:
+                    history[(f"w{p}", m)] = w[p].copy()
             else:
                 s = depth - 1 - p
                 a_in, out = stash.pop((s, m))
                 g = grad.pop((s + 1, m)) * (1 - out * out)
                 grad[(s, m)] = g @ w[s].T  # the current weight, before its update
                 w[s] -= lr * a_in.T @ g
+                if history is not None:
+                    history[(f"w{s}", m)] = w[s].copy()
     return {f"w{s}": w[s] for s in range(stages)}, np.array([losses[m] for m in range(m_count)])

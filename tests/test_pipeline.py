@@ -103,6 +103,26 @@ def test_without_accumulation_the_weights_are_stale_as_in_popart(stages):
     assert max(np.abs(fresh[k] - want[k]).max() for k in want) > 1e-3
 
 
+def test_without_accumulation_a_weight_s_anchor_follows_each_update():
+    """Stale weights (no accumulation): a weight's All anchor is the weight once its
+    micro-batch's update has run (PopART copies it after the VarUpdate), stage by stage."""
+    model, x, _, loss, initial = mlp(2)
+    with warnings.catch_warnings():  # stale weights: the config and the session warn
+        warnings.simplefilter("ignore", pk.PopartKitWarning)
+        cfg = pk.SessionConfig(mode="training", batches_per_step=4, ipus_per_replica=2,
+                               pipeline={"enabled": True}, device={"target": "offline"})
+        sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(learning_rate=LR),
+                                  anchors={"w0": "All", "w1": "All"}, backend="xla")
+    assert sess.runtime.pipeline is not None
+    xs = np.random.default_rng(5).standard_normal((4, MICRO, WIDTH)).astype(np.float32)
+    out = sess.run({x: xs})
+    history: dict = {}
+    simulate_continuous(initial, xs.astype(np.float64), 2, LR, history)
+    for name in ("w0", "w1"):
+        want = np.stack([history[(name, m)] for m in range(4)])
+        np.testing.assert_allclose(out[name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_recomputation_gives_the_same_numbers_and_stashes_less():
     a, feed = session(3, 2, True, True, bps=1, acc=5)
     b, _ = session(3, 2, True, True, bps=1, acc=5, recompute="standard")
@@ -189,11 +209,12 @@ def test_gradient_and_weight_anchors_are_computed_by_the_stages():
         inner = b.aiOnnx.matmul([x, w0])
         h = b.aiOnnx.tanh([inner])
     with pb.stage(1):
-        w1 = b.addInitializedInputTensor(rng.standard_normal((WIDTH, 3)).astype("f4"), "w1")
+        w1_init = rng.standard_normal((WIDTH, 3)).astype("f4")
+        w1 = b.addInitializedInputTensor(w1_init, "w1")
         loss = b.aiOnnx.reducesumsquare([b.aiOnnx.matmul([h, w1])], keepdims=0)
-    anchors = {loss: "All", w0: "All", **{"Gradient___" + t: "All"
+    anchors = {loss: "All", w0: "All", w1: "Final", **{"Gradient___" + t: "All"
                                           for t in (x, w0, inner, h, w1, loss)}}
-    out = {}
+    out, trained = {}, {}
     for pipelined in (True, False):
         cfg = pk.SessionConfig(mode="training", batches_per_step=2, accumulation={"factor": 3},
                                replication={"local_factor": 2}, ipus_per_replica=2,
@@ -206,10 +227,14 @@ def test_gradient_and_weight_anchors_are_computed_by_the_stages():
         feed = {x: np.random.default_rng(3).standard_normal(sess.io.input_shape(x))
                 .astype(np.float32)}
         out[pipelined] = sess.run(feed)
+        trained[pipelined] = sess.weights()[w1]
     assert out[True].keys() == out[False].keys() == set(anchors)
     for name, want in out[False].items():
         np.testing.assert_allclose(out[True][name], want, rtol=2e-5, atol=1e-5, err_msg=name)
     assert np.abs(out[True]["Gradient___" + inner]).max() > 0
+    # Final: after the step's last update (PopART's end-of-step copy), not what it used
+    np.testing.assert_array_equal(out[True][w1][0], trained[True])
+    assert not np.allclose(trained[True], w1_init, atol=1e-3)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

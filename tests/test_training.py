@@ -320,6 +320,37 @@ def test_weight_anchors_show_the_weight_each_micro_batch_used():
     np.testing.assert_array_equal(sess.weights()[w], [-6.0])
 
 
+@pytest.mark.parametrize("acc, on_host", [(1, False), (2, True)])
+def test_weight_anchors_after_updates_as_popart_copies_them(acc, on_host, monkeypatch):
+    """PopART copies a weight's All and Sum anchors after its update when there is no
+    gradient accumulation (with it, in the inner loop: the weight the micro-batch used),
+    Final after the step's last update, EveryN as the micro-batch used it; both executors."""
+    from popart_kit._runtime.xla import steps
+
+    monkeypatch.setattr(steps, "LOOP_UNFRIENDLY_ON_CPU", frozenset({"Mul"} if on_host else ()))
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [1]))
+    w = b.addInitializedInputTensor(np.array([0.0], np.float32))
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.mul([x, w])], pk.ReductionType.Sum)
+    cfg = pk.SessionConfig(mode="training", batches_per_step=4, accumulation={"factor": acc},
+                           device={"target": "offline"})
+    micro = 4 * acc
+    # every micro-batch's gradient is 1 (x = 1), an update subtracts A of them (lr 1):
+    # the weight update u starts from is -u x A
+    used = -np.repeat(np.arange(4), acc).astype(np.float32) * acc
+    after = used - acc  # the weight once the micro-batch's update has run
+    want = {"All": after if acc == 1 else used, "Final": [-4.0 * acc],
+            "Sum": (after if acc == 1 else used).sum(), "EveryN": used[1::2]}
+    for art, expected in want.items():
+        sess = pk.TrainingSession(b.getModelProto(), cfg, loss=loss, optimizer=pk.SGD(1.0),
+                                  anchors={w: ("EveryN", 2) if art == "EveryN" else art},
+                                  backend="xla", micro_batches_per_chunk=1)
+        assert sess.runtime.on_host is on_host
+        out = sess.run({x: np.ones((micro, 1), np.float32).reshape(sess.io.input_shape(x))})
+        np.testing.assert_array_equal(out[w].reshape(-1), np.reshape(expected, -1), err_msg=art)
+        np.testing.assert_array_equal(sess.weights()[w], [-4.0 * acc])
+
+
 def test_weights_off_the_loss_path_are_not_updated():
     b = pk.Builder()
     x = b.addInputTensor(pk.TensorInfo("FLOAT", [2]))

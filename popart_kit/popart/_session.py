@@ -742,6 +742,7 @@ class TrainingSession(_Session):
         self.name, self.patterns, self.optimizer = name, _patterns(patterns), optimizer
         super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer,
                          inputShapeInfo)
+        self._load_optimizer_state()
 
     def updateOptimizerFromHost(self, optimizer: Optimizer) -> None:
         """New optimizer values for the next runs; PopART's rules: same optimizer type, and a
@@ -765,28 +766,66 @@ class TrainingSession(_Session):
             raise popart_exception(popart_text(err)) from None
         self.optimizer = optimizer
 
+    def _state_names(self, state: Mapping[str, Any]) -> dict[str, tuple[str, str | None]]:
+        """{PopART's reserved name: (key, weight)} of the kit's optimizer ``state``
+        (``state[key][weight]``; weight None: ``state[key]``, Adam's step, which PopART keeps
+        per weight): SGD velocity Accl___w (Combined) or Accl1___w (Separate); Adam
+        Accl1___w (m), Accl2___w (v), Step___w; Adaptive Accl1___w, Accl2___w, Accl3___w."""
+        p, out = RESERVED_PREFIXES, {}
+        separate = getattr(self.optimizer.kit, "accumulator_and_momentum", "") == "separate"
+        for weight in state.get("velocity", {}):
+            out[(p["Accl1"] if separate else p["Accl"]) + weight] = ("velocity", weight)
+        for key, prefix in (("m", p["Accl1"]), ("v", p["Accl2"]), ("accl1", p["Accl1"]),
+                            ("accl2", p["Accl2"]), ("accl3", p["Accl3"])):  # Adam, Adaptive
+            for weight in state.get(key, {}):
+                out[prefix + weight] = (key, weight)
+                if "step" in state:
+                    out[p["Step"] + weight] = ("step", None)
+        return out
+
     def _optimizer_tensors(self) -> dict[str, np.ndarray]:
-        """The kit's optimizer state under PopART's reserved names: SGD velocity Accl___w
-        (Combined) or Accl1___w (Separate); Adam Accl1___w (m), Accl2___w (v), Step___w;
-        Adaptive Accl1___w, Accl2___w, Accl3___w."""
+        """The kit's optimizer state under PopART's reserved names (:meth:`_state_names`)."""
         state = getattr(self._kit, "optimizer_state", None)
         if state is None:
             return {}
-        state, p = state(), RESERVED_PREFIXES
-        out = {}
-        separate = getattr(self.optimizer.kit, "accumulator_and_momentum", "") == "separate"
-        for weight, v in state.get("velocity", {}).items():
-            out[(p["Accl1"] if separate else p["Accl"]) + weight] = np.asarray(v)
-        for key, prefix in (("m", p["Accl1"]), ("v", p["Accl2"]), ("accl1", p["Accl1"]),
-                            ("accl2", p["Accl2"]), ("accl3", p["Accl3"])):  # Adam, Adaptive
-            for weight, value in state.get(key, {}).items():
-                out[prefix + weight] = np.asarray(value)
-                if "step" in state:  # a grouped weight's: one per group (as PopART keeps it)
-                    step = np.asarray(state["step"], np.float32).reshape(())
-                    grouping = self._groupings.get(weight)
-                    out[p["Step"] + weight] = np.full((grouping.groups,), step) if grouping \
-                        else step
+        state, out = state(), {}
+        for name, (key, weight) in self._state_names(state).items():
+            if weight is not None:
+                out[name] = np.asarray(state[key][weight])
+                continue
+            # a grouped weight's step: one per group (as PopART keeps it)
+            step = np.asarray(state["step"], np.float32).reshape(())
+            grouping = self._groupings.get(name[len(RESERVED_PREFIXES["Step"]):])
+            out[name] = np.full((grouping.groups,), step) if grouping else step
         return out
+
+    def _load_optimizer_state(self) -> None:
+        """PopART's OptimizerDecompose::addStateTensor (optimizerdecompose.cpp,
+        sgd1decompose.cpp): a state tensor the model has as an initializer (a checkpoint
+        written by modelToHost) starts the optimizer from its values instead of zeros; each
+        is checked against the state's shape (refused with both shapes)."""
+        state = self._kit.optimizer_state()
+        given = {t.name for t in self.model.graph.initializer}
+        found = {n: k for n, k in self._state_names(state).items() if n in given}
+        if not found:
+            return
+        values, kept = self._weights(), {}
+        for name, (key, weight) in found.items():
+            value = np.asarray(values[name])
+            if weight is None:  # Adam's step: one for every weight (per group: the first)
+                kept.setdefault(key, value.reshape(-1)[0])
+                continue
+            if value.size != np.size(state[key][weight]):
+                raise popart_exception(
+                    f"optimizer state {name!r} in the model has shape {list(value.shape)}, "
+                    f"the optimizer's for weight {weight!r} has "
+                    f"{list(np.shape(state[key][weight]))}. Fix: load the model the session "
+                    f"with this optimizer wrote, or remove the initializer {name!r}.")
+            kept.setdefault(key, {})[weight] = value.reshape(np.shape(state[key][weight]))
+        try:
+            self._kit.runtime.set_optimizer_state(kept)
+        except ValueError as err:
+            raise popart_exception(popart_text(err)) from None
 
     def getAllTensorIds(self) -> set[str]:
         return set(self._types) | set(self._optimizer_tensors())

@@ -173,13 +173,13 @@ def test_sgd_moves_each_group_by_its_own_replicas_gradients(replicas, kind, size
         "Sum" if reduction == "Sum" else strategy]
     ref, velocity = w0.astype(np.float64), np.zeros_like(w0, np.float64)
     for step in xs:  # SGD with momentum (Combined, no dampening or weight decay)
-        seen = ref  # what the replicas compute with in this step
         velocity = 0.9 * velocity + group_grads(ref, step, members, divisor)
         ref = ref - 0.1 * velocity
     np.testing.assert_allclose(read(s, w, w0.shape), ref, rtol=1e-5)
-    # the anchor: each replica's own value in the last step, its group's row
+    # the anchor: each replica's own value after the last step's update (PopART copies a
+    # weight's anchor after its VarUpdate without gradient accumulation), its group's row
     group_of = [next(g for g, m in enumerate(members) if r in m) for r in range(replicas)]
-    np.testing.assert_allclose(anchors[w], seen[group_of], rtol=1e-5)
+    np.testing.assert_allclose(anchors[w], ref[group_of], rtol=1e-5)
 
 
 def test_adam_on_ungrouped_replicas_with_mean_reduction():

@@ -80,9 +80,13 @@ class AnchorBuffers:
               start: Any) -> dict[str, jax.Array]:
         """Add a chunk: ``values[name]`` is ``[c, replicas, *S]`` for the micro-batches
         ``start .. start + c - 1`` (``start`` a multiple of ``c``; ``c`` compatible with every
-        period, see :func:`chunk_size`)."""
+        period, see :func:`chunk_size`). An anchor missing from ``values`` keeps its buffer
+        (written elsewhere: a weight's value after an update)."""
         out = {}
         for name, anchor in self._anchors.items():
+            if name not in values:
+                out[name] = buffers[name]
+                continue
             buffer, value = buffers[name], values[name].astype(buffers[name].dtype)
             if anchor.period is None:
                 out[name] = buffer + value.sum(axis=0, dtype=buffer.dtype)

@@ -84,8 +84,10 @@ class StepFunctions:
     ``"buffers"``); ``chunk(state, work, hyper, inputs, update, index)`` returns the chunk's
     gradient (``{}`` for inference) and the work with its anchors written; ``apply(state,
     grads, hyper)`` makes an update (None: inference); ``flags(state, work)`` says whether
-    the run stayed finite (None: unchecked). ``stream_axes``/``buffer_axes``: the replica
-    axis of each input and anchor buffer."""
+    the run stayed finite (None: unchecked). ``after(state, work, update)`` (training, None:
+    nothing) writes into the work what is read after update ``update`` made ``state`` (a
+    weight's anchor, as PopART copies it after its VarUpdate). ``stream_axes``/
+    ``buffer_axes``: the replica axis of each input and anchor buffer."""
 
     updates: int
     chunks: int
@@ -96,6 +98,7 @@ class StepFunctions:
     inputs: dict[str, jax.ShapeDtypeStruct]
     stream_axes: dict[str, int | None]
     buffer_axes: dict[str, int]
+    after: Callable[[SessionState, Any, Any], Any] | None = None
 
     @property
     def training(self) -> bool:
@@ -142,7 +145,8 @@ class LoopedExecutor:
 
             if f.chunks > 1:
                 grads, work = jax.lax.fori_loop(1, f.chunks, more, (grads, work))
-            return (f.apply(state, grads, hyper) if f.training else state), work
+            state = f.apply(state, grads, hyper)
+            return state, (work if f.after is None else f.after(state, work, u))
 
         state, work = loop(f.updates, update, (state, f.work()))
         flags = f.flags(state, work) if f.flags is not None else None
@@ -199,9 +203,10 @@ class HostDrivenExecutor:
             out["grads"] = _add(work["grads"], grads)
         return out
 
-    def _update(self, state: SessionState, work: Any, hyper: Any) -> Any:
+    def _update(self, state: SessionState, work: Any, hyper: Any, update: Any) -> Any:
         state = self.step.apply(state, work["grads"], hyper)  # type: ignore[misc]
-        return state, {**work, "grads": jax.tree.map(jnp.zeros_like, work["grads"])}
+        work = {**work, "grads": jax.tree.map(jnp.zeros_like, work["grads"])}
+        return state, work if self.step.after is None else self.step.after(state, work, update)
 
     def _flags(self, state: SessionState, work: Any) -> Any:
         return self.step.flags(state, work)  # type: ignore[misc]
@@ -221,7 +226,7 @@ class HostDrivenExecutor:
         programs = [init, chunk]
         if f.training:
             programs.append(jax.jit(self._update, donate_argnums=(1,)).lower(
-                state, work, hyper).compile())
+                state, work, hyper, index).compile())
         if f.flags is not None:
             programs.append(jax.jit(self._flags).lower(state, work).compile())
         self.programs = programs
@@ -237,7 +242,7 @@ class HostDrivenExecutor:
             for k in self._indices[:f.chunks]:
                 work = chunk(state, work, hyper, device, u, k)
             if f.training:
-                state, work = rest[0](state, work, hyper)
+                state, work = rest[0](state, work, hyper, u)
         flags = rest[-1](state, work) if f.flags is not None else None
         anchors, flags = _results(self.placement, work["buffers"], flags)
         return StepResult(anchors, state if f.training else None, flags)

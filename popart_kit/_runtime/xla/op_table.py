@@ -6,6 +6,7 @@ from . import (  # noqa: F401 - they register
     ops_conv,
     ops_graphcore,
     ops_graphcore_nn,
+    ops_print,
     ops_random,
     ops_resize,
     ops_rnn,

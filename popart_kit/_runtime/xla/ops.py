@@ -1659,7 +1659,7 @@ def popart_detach(ctx: Ctx, x: Any) -> Any:
     return lax.stop_gradient(x)
 
 
-@op("Nop", "PrintTensor", domain=GRAPHCORE)
+@op("Nop", domain=GRAPHCORE)  # PrintTensor: ops_print
 def popart_identity(ctx: Ctx, x: Any) -> Any:
     return x
 

@@ -543,6 +543,11 @@ class PipelineExecutor:
             {**state.weights, **{k: v for s in stage_states for k, v in s.weights.items()}},
             _merge([s.optimizer for s in stage_states], every),
             state.updates + self._updates_per_run)  # counted, not fetched from the stages
+        # a trained weight's Final anchor is PopART's end-of-step copy: after the last update
+        final = [n for n, art in f.anchors.items() if art.name == "Final" and n in f.trained]
+        for name, value in f.placement.fetch({n: new.weights[n] for n in final}).items():
+            anchors[name] = np.broadcast_to(value, anchors[name].shape).astype(
+                anchors[name].dtype)
         flags = None
         if f.check_finite:
             losses = np.stack([kept[(f.loss, m)] for m in range(f.shape.micro_batches)]

@@ -294,6 +294,10 @@ class StageRunner:
         self.spec, self.programs, self.where = spec, programs, where
         self.exchange = exchange  # sums a gradient over the instances (``spec.exchange``)
         self.record = True
+        #: anchored weights returned after each micro-batch's update (no accumulation), as
+        #: PopART copies a weight's anchor after its VarUpdate
+        self.after_update = tuple(t for t in spec.stage.anchors if t in spec.trained) \
+            if spec.training and not spec.accumulate else ()
         self.handlers: dict[str, Callable[[Action, RunContext, Any], Any]] = {
             "F": self.forward, "B": self.backward, "U": self.update}
 
@@ -357,7 +361,7 @@ class StageRunner:
             ctx.board.put(("stash", s, m), vjp)
         if not spec.last:
             ctx.board.put(("F", s, m), carry)
-        self.keep(ctx, m, aux)
+        self.keep(ctx, m, {k: v for k, v in aux.items() if k not in self.after_update})
         return (carry, aux)
 
     def backward(self, a: Action, ctx: RunContext, got: Any) -> Any:
@@ -392,6 +396,10 @@ class StageRunner:
         weights, (optimizer, updates), ctx.accs[s] = apply(
             state.weights, (state.optimizer, state.updates), ctx.accs[s], ctx.hyper[s])
         ctx.states[s] = SessionState(weights, optimizer, updates)
+        if self.after_update:
+            self.keep(ctx, self.micro_batch(a), {t: jnp.broadcast_to(
+                weights[t], (self.spec.replicas, *np.shape(weights[t])))
+                for t in self.after_update})
         return weights
 
     def keep(self, ctx: RunContext, m: int, aux: Mapping[str, Any]) -> None:

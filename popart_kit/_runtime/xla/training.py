@@ -37,16 +37,22 @@ from ..._base.shapes import AnchorReturnType
 from ..._model.builder_subgraphs import node_reads
 from ...errors import ConfigError
 from . import loss_scaling as als
-from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
+from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions, StepResult
 from .grouped import RULE as GROUPED_RULE
-from .grouped import group_divisors, optimizer_problems
+from .grouped import group_divisors, optimizer_problems, replica_rows
 from .host_exchange import min_over_instances
 from .lowering import recomputation
 from .ops_random import draws_random
+from .pipeline import PipelineExecutor
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags, reduce_gradients
 
 __all__ = ["XlaTrainingBackend"]
+
+#: PopART's compound scalars of an SGD weight (compoundscalarhelper.hpp), anchorable by name:
+#: without a velocity (SGD0), and with one (SGD1, accumulator and momentum combined).
+_SGD0 = ("scaledLearningRate0", "weightDecayScaleFactor0")
+_SGD1 = ("scaledLearningRate1", "dampeningScaleFactor1", "scaledMomentum1", "scaledWeightDecay1")
 
 
 class XlaTrainingBackend(XlaBackend):
@@ -58,6 +64,11 @@ class XlaTrainingBackend(XlaBackend):
     micro-batch's (scaled) loss with respect to that tensor - an input, a weight, an activation
     or the loss - per micro-batch and replica, before any reduction, as PopART does. Dropout
     drops at random (see :mod:`.ops_random`), its gradient masked by the forward's mask.
+    A trained weight's anchor is the weight as PopART copies it (:meth:`_post_update_anchors`):
+    Final after the step's last update, All and Sum after each update without gradient
+    accumulation, else the value the micro-batch used. PopART's compound optimizer scalars
+    (``"scaledLearningRate0___default___FLOAT"``, ...: :meth:`_compound_scalars`) can be
+    anchored, as can the loss scale.
 
     PopART's automatic loss scaling (``automaticLossScalingSettings.enabled``) is
     :mod:`.loss_scaling`: the factor lives in the :class:`~.state.SessionState`, and
@@ -162,10 +173,66 @@ class XlaTrainingBackend(XlaBackend):
                                     self._shapes(self.io.inputs, probed).items()}
         raise_errors("TrainingSession", problems[:1])  # PopART stops at the first
 
-    def _extra_anchors(self) -> set[str]:
+    def _compound_scalars(self, anchors: Mapping[str, Any] | None = None
+                          ) -> dict[str, tuple[str, str | None, np.dtype]]:
+        """The anchors that are PopART's compound optimizer scalars (compoundscalarhelper):
+        {anchor: (stem, weight with specific values or None, dtype)} for an SGD's
+        ``<stem>___default___<TYPE>`` (TYPE a trainable weight's) and
+        ``<stem>___specific___<weight>``; SGD0's stems without a velocity, SGD1's with one
+        (``anchors``: the session's unless given)."""
+        opt = self.optimizer
+        if type(opt).__name__ != "SGD" or getattr(opt, "accumulator_and_momentum",
+                                                   "combined") != "combined":
+            return {}
+        types = {als.onnx_name(np.dtype(w.dtype)): np.dtype(w.dtype)
+                 for n, w in self.graph.weights.items() if n in self.graph.trainable
+                 and np.issubdtype(np.dtype(w.dtype), np.floating)}
+        out = {}
+        for anchor in self.anchors if anchors is None else anchors:
+            stem, _, rest = anchor.partition("___")
+            kind, _, key = rest.partition("___")
+            weight = key if kind == "specific" else None
+            if kind == "default" and key in types:
+                velocity, dtype = opt.has_velocity, types[key]
+            elif weight is not None and weight in opt.specific and weight in self.graph.weights:
+                velocity = opt._has_velocity(opt._weight(weight))
+                dtype = np.dtype(self.graph.weights[weight].dtype)
+            else:
+                continue
+            if stem in (_SGD1 if velocity else _SGD0):
+                out[anchor] = (stem, weight, dtype)
+        return out
+
+    def _compound_value(self, stem: str, weight: str | None, hyper: Any) -> Any:
+        """Compound scalar ``stem`` of ``weight`` (None: the defaults) from the device
+        hyperparameters, by PopART's formulas (compoundscalarhelper.hpp): af and rf are the
+        accumulation and replication factors where the Post mean strategy divides by them."""
+        def atom(name: str, default: float) -> Any:
+            return hyper.get(f"{name}@{weight}", hyper.get(name, default))
+
+        lr, dm, wd = atom("learning_rate", 0.0), atom("dampening", 0.0), atom("weight_decay", 0.)
+        mm, vs = atom("momentum", 0.0), atom("velocity_scaling", 1.0)
+        ls = hyper.get("loss_scaling", 1.0)
+        acc, replicas = self.shape.accumulation, self.shape.global_replicas
+        post = (self.config.accumulation.reduction == "mean"
+                and self.config.accumulation.mean_strategy == "post")
+        mean = self.config.accumulation.reduction == "mean"
+        af, rf = (acc if post else 1), (replicas if post else 1)
+        rf1 = replicas if acc > 1 else 1  # SGD1: with gradient accumulation
+        if stem == "dampeningScaleFactor1":
+            rf = replicas if acc > 1 and not mean else 1 / replicas if acc == 1 and mean else 1
+            return (1 - dm) * vs * rf / (ls * (acc if mean else 1))
+        return {"scaledLearningRate0": lambda: lr * (1 - dm) / (ls * af * rf),
+                "weightDecayScaleFactor0": lambda: 1 - lr * (1 - dm) * wd,
+                "scaledLearningRate1": lambda: lr / (vs * rf1),
+                "scaledMomentum1": lambda: mm / rf1,
+                "scaledWeightDecay1": lambda: (1 - dm) * wd * vs}[stem]()
+
+    def _extra_anchors(self, anchors: Mapping[str, Any] | None = None) -> set[str]:
         """The anchors that are no tensors of the model: the loss scale's (any training
-        session) and automatic loss scaling's."""
+        session), automatic loss scaling's and the optimizer's compound scalars."""
         out = {als.LOSS_SCALING + "FLOAT16", als.LOSS_SCALING + "FLOAT"}
+        out.update(self._compound_scalars(anchors))
         if self.als is not None:
             out.add(als.FINAL_LOSS_SCALE)
             if self.config.accumulation.factor > 1:
@@ -174,7 +241,7 @@ class XlaTrainingBackend(XlaBackend):
 
     def _problems(self, anchors: Mapping[str, AnchorReturnType], chunk: int | None,
                   workers: str = "threads") -> list[Problem]:
-        extra = self._extra_anchors()
+        extra = self._extra_anchors(anchors)
         return [p for p in super()._problems(anchors, chunk, workers)
                 if not (p.rule == "K-anchor-unknown" and p.loc[-1] in extra)]
 
@@ -186,8 +253,11 @@ class XlaTrainingBackend(XlaBackend):
         loss = [self.loss] if self.loss in self.graph.tensors else []
         out = super()._shapes(inputs, rest + loss)
         dtype = self._scale_dtype_of(out[self.loss].dtype if loss else np.float32)
+        compound = self._compound_scalars()
         for w in wanted:
-            if w in extra:
+            if w in compound:
+                out[w] = jax.ShapeDtypeStruct((), compound[w][2])
+            elif w in extra:
                 out[w] = jax.ShapeDtypeStruct((2,) if w == als.STATISTICS else (),
                                               np.float32 if w == als.STATISTICS else dtype)
         return out
@@ -251,13 +321,51 @@ class XlaTrainingBackend(XlaBackend):
         before each update: the same numbers); the pipeline executor does not count
         gradients nor agree on the factor between its stages."""
         if self.als is None or not self.config.pipeline.enabled:
-            return super()._make_executor(workers)
+            executor = super()._make_executor(workers)
+            if isinstance(executor, PipelineExecutor) and self._run_constants(None):
+                executor.run = self._with_run_constants(executor.run)  # type: ignore[method-assign]
+            return executor
         self.unpipelined_because = ("automatic loss scaling is on, which the pipeline "
                                     "executor does not implement")
         warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the stages "
              f"one after the other on one device (same numerics).")
         return (HostDrivenExecutor if self.on_host else LoopedExecutor)(
             self._step_functions(), self.placement)
+
+    def _run_constants(self, hyper: Any) -> dict[str, Any]:
+        """The anchors whose value a run's hyperparameters fix (the loss scale's and the
+        compound scalars'), as {anchor: value} (``hyper`` None: {anchor: None})."""
+        names = [a for a in self.anchors if a.startswith(als.LOSS_SCALING)] \
+            if self.als is None else []
+        out: dict[str, Any] = {n: None if hyper is None else np.asarray(
+            hyper.get("loss_scaling", 1.0)).astype(self._scale_dtype) for n in names}
+        for name, (stem, weight, dtype) in self._compound_scalars().items():
+            out[name] = None if hyper is None else np.asarray(
+                self._compound_value(stem, weight, hyper)).astype(dtype)
+        return out
+
+    def _pipeline_facts(self) -> Any:
+        """The pipeline is not told of the :meth:`_run_constants` anchors (no stage computes
+        them): :meth:`_with_run_constants` adds them to its runs' anchors."""
+        facts = super()._pipeline_facts()
+        constants = self._run_constants(None)
+        if not constants:
+            return facts
+        return replace(facts, **{k: {a: v for a, v in getattr(facts, k).items()
+                                     if a not in constants}
+                                 for k in ("anchors", "tensors", "anchor_shapes")})
+
+    def _with_run_constants(self, run: Any) -> Any:
+        """``run`` (the pipeline's) with the :meth:`_run_constants` anchors added, each in
+        its host shape, from the run's hyperparameters."""
+        def with_constants(inputs: Any, state: Any, hyper: Any) -> StepResult:
+            result = run(inputs, state, hyper)
+            host = {k: np.asarray(v) for k, v in self.placement.fetch(hyper).items()}
+            values = {name: np.full(self._anchor_shapes[name], value) for name, value in
+                      self._run_constants(host).items()}
+            return replace(result, anchors={**result.anchors, **values})
+
+        return with_constants
 
     def _training_facts(self) -> dict[str, Any]:
         return dict(loss=self.loss, gradients=self.gradient_anchors, trained=self.trained,
@@ -340,7 +448,32 @@ class XlaTrainingBackend(XlaBackend):
             chunk=self._chunk_grads,
             apply=self._apply,
             flags=self._finite if self.check_finite else None, inputs=self._inputs,
-            stream_axes=self._stream_axes(), buffer_axes=self.buffers.replica_axes())
+            stream_axes=self._stream_axes(), buffer_axes=self.buffers.replica_axes(),
+            after=self._after_update if self._post_update_anchors() else None)
+
+    def _post_update_anchors(self) -> list[str]:
+        """The anchors of trained weights that return the weight after an update, as PopART
+        copies a weight's anchor once its VarUpdate has run (irlowering.cpp, toHostTask's
+        final populator): Final (the end of the step's copy, after its last update) and,
+        without gradient accumulation, All and Sum (copied in the backward pass, after the
+        update). With accumulation All and Sum are copied in the inner loop and EveryN as soon
+        as the weight exists: the weight the micro-batch used."""
+        unaccumulated = self.shape.accumulation == 1
+        return [a for a, art in self.anchors.items() if a in self.trained and (
+            art.name == "Final" or (unaccumulated and art.name in ("All", "Sum")))]
+
+    def _after_update(self, state: SessionState, work: Any, update: Any) -> Any:
+        """Write the :meth:`_post_update_anchors` of update ``update`` from its new weights:
+        as the value of its last micro-batch, each replica its group's row."""
+        names = self._post_update_anchors()
+        per_device = self.placement.per_device
+        rows = replica_rows({n: state.weights[n] for n in names if n in self.groupings},
+                            {n: g for n, g in self.groupings.items() if n in names}, per_device,
+                            self.placement.axes if self.placement.several else None)
+        values = {n: (rows[n] if n in rows else jnp.broadcast_to(
+            state.weights[n], (per_device, *jnp.shape(state.weights[n]))))[None] for n in names}
+        start = update * self.shape.accumulation + self.shape.accumulation - 1
+        return {**work, "buffers": self.buffers.write(work["buffers"], values, start)}
 
     def _chunk_grads(self, state: SessionState, work: Any, hyper: Any, inputs: Any,
                      update: Any, index: Any) -> tuple[dict[str, jax.Array], Any]:
@@ -383,6 +516,9 @@ class XlaTrainingBackend(XlaBackend):
         # the loss scale as PopART holds it: a tensor of the loss's dtype
         scale = jnp.asarray(unscaled.get("loss_scaling", 1.0)).astype(self._scale_dtype)
         values[als.LOSS_SCALING + als.onnx_name(self.loss_dtype)] = jnp.broadcast_to(scale, lead)
+        for name, (stem, weight, dtype) in self._compound_scalars().items():
+            values[name] = jnp.broadcast_to(jnp.asarray(
+                self._compound_value(stem, weight, unscaled)).astype(dtype), lead)
         if tracking:
             counts = self._counts(state, values, probed)
             grads[als.STATISTICS] = counts.sum(axis=(0, 1))
@@ -390,9 +526,10 @@ class XlaTrainingBackend(XlaBackend):
             if "statistics" in work:  # PopART's accumulator: the update's counts so far
                 so_far = jnp.where(index == 0, 0, work["statistics"]) + jnp.cumsum(counts, 0)
                 values[als.STATISTICS], out["statistics"] = so_far, so_far[-1]
+        after = self._post_update_anchors()  # written by _after_update
         out["buffers"] = self.buffers.write(work["buffers"], {
-            n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors},
-            start)
+            n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors
+            if n not in after}, start)
         if self.check_finite:
             finite = jnp.isfinite(values[self.loss]).all()
             out["losses_finite"] = work["losses_finite"].at[update].set(
@@ -433,6 +570,41 @@ class XlaTrainingBackend(XlaBackend):
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state as host arrays (see the optimizer's ``init``)."""
         return self.placement.fetch(self.state.optimizer)
+
+    def set_optimizer_state(self, values: Mapping[str, Any]) -> None:
+        """Replace part of the optimizer's state (a checkpoint's): ``values`` shaped as
+        :meth:`optimizer_state` gives it (``{key: {weight: array}}`` or ``{key: array}``), a
+        subset, each array cast to the state's dtype there. Refused, before anything changes:
+        a key or weight the state lacks, an array of another shape."""
+        with self._lock:
+            new = self.placement.fetch(self.state.optimizer)
+            for key, part in values.items():
+                have = new.get(key) if isinstance(new, dict) else None
+                if have is None:
+                    kind = type(self.optimizer).__name__
+                    raise ConfigError(f"optimizer state {key!r}: the {kind} state has "
+                                      f"{sorted(new or {})}. Fix: give the state this "
+                                      f"optimizer keeps.", rule="K-optimizer-state")
+                pairs = part.items() if isinstance(part, Mapping) else [(None, part)]
+                for weight, value in pairs:
+                    old = have if weight is None else have.get(weight)
+                    if old is None:
+                        raise ConfigError(f"optimizer state {key!r} has no weight {weight!r} "
+                                          f"(it has {sorted(have)}). Fix: give the state of "
+                                          f"the weights the optimizer trains.",
+                                          rule="K-optimizer-state")
+                    value = np.asarray(value)
+                    if value.shape != np.shape(old):
+                        raise ConfigError(f"optimizer state {key!r} of {weight!r}: shape "
+                                          f"{list(value.shape)}, the state's is "
+                                          f"{list(np.shape(old))}. Fix: give an array of the "
+                                          f"state's shape.", rule="K-optimizer-state")
+                    cast = value.astype(np.asarray(old).dtype)
+                    if weight is None:
+                        new[key] = cast
+                    else:
+                        have[weight] = cast
+            self.state = replace(self.state, optimizer=self.placement.put_everywhere(new))
 
     def set_optimizer(self, optimizer: Any) -> None:
         """New hyperparameter values (the session checked it is the same kind of optimizer):
