@@ -303,3 +303,56 @@ def test_popart_refusals():
     opts.enablePipelining, opts.virtualGraphMode = True, popart.VirtualGraphMode.Manual
     assert _refused(opts, model=_fp32_linear("FLOAT16"), ipus=2).endswith(
         "'enableGradientAccumulation' SessionOption is set to 'false'")
+
+
+def _counters(path):
+    """{kind: value} of a checkpoint's automatic loss scaling variables: the update factor
+    and the INT32 counters (read from int32_data, where PopART writes them)."""
+    import onnx
+    out = {}
+    for t in onnx.load(path).graph.initializer:
+        if t.name == "lossScaleUpdateFactor":
+            out["factor"] = float(onnx.numpy_helper.to_array(t))
+        elif t.name.endswith("_counter"):
+            assert t.data_type == onnx.TensorProto.INT32 and len(t.int32_data) == 1
+            kind = "histogram" if "(ai.graphcore.Histogram:1)" in t.name else "update"
+            out.setdefault(kind, set()).add(t.int32_data[0])
+    return out
+
+
+@pytest.mark.parametrize("acc", [1, 2])
+def test_a_checkpoint_carries_the_factor_and_the_period_s_phase(acc, tmp_path):
+    """modelToHost writes PopART's lossScaleUpdateFactor and, with updatePeriod P > 1, the
+    counters of its Histogram ops (-1, then one step per micro-batch modulo A x P) and of its
+    LossScaleUpdate (one per update modulo P); a session made from the checkpoint goes on as
+    the uninterrupted session does (same loss scales, same weights)."""
+    proto, x, w, loss = _linear()
+    period, runs = 2, 4
+    data = np.zeros((runs, acc, 2, 3), np.float16)
+    data[:, :, 0] = [1, 100, 1000]
+    feeds = [{x: d if acc > 1 else d[0]} for d in data]
+    straight = _session(proto, loss, _options(period, acc), [als.FINAL_LOSS_SCALE], bps=1)
+    straight.modelToHost(str(tmp_path / "start.onnx"))
+    assert _counters(tmp_path / "start.onnx") == {"factor": 1.0, "histogram": {-1},
+                                                   "update": {-1}}
+    path = proto
+    for run, feed in enumerate(feeds):
+        anchors = straight.initAnchorArrays()
+        straight.run(popart.PyStepIO(feed, anchors))
+        again = _session(path, loss, _options(period, acc), [als.FINAL_LOSS_SCALE], bps=1)
+        resumed = again.initAnchorArrays()
+        again.run(popart.PyStepIO(feed, resumed))
+        assert np.array_equal(resumed[als.FINAL_LOSS_SCALE], anchors[als.FINAL_LOSS_SCALE])
+        path = str(tmp_path / f"{run}.onnx")
+        again.modelToHost(path)
+        found = _counters(path)
+        assert found["histogram"] == {((run + 1) * acc - 1) % (acc * period)}
+        assert found["update"] == {run % period}
+        straight.modelToHost(str(tmp_path / "straight.onnx"))
+        assert found["factor"] == _counters(tmp_path / "straight.onnx")["factor"]
+    assert found["factor"] != 1.0  # the factor moved
+    weights = {w: np.zeros((3, 4), np.float16)}
+    straight.readWeights(popart.PyWeightsIO(weights))
+    mine = {w: np.zeros((3, 4), np.float16)}
+    again.readWeights(popart.PyWeightsIO(mine))
+    np.testing.assert_array_equal(mine[w], weights[w])

@@ -458,6 +458,31 @@ def test_the_optimizer_state_comes_back_as_host_arrays(optimizer, keys):
         assert float(state["step"]) == 1.0
 
 
+@pytest.mark.parametrize("optimizer", [pk.SGD(learning_rate=0.1, momentum=0.9),
+                                       pk.Adam(learning_rate=0.01)])
+def test_a_session_resumes_from_weights_and_optimizer_state(optimizer):
+    """optimizer_state() then set_optimizer_state() (with write_weights) in a new session:
+    its next run is the uninterrupted session's second run, to the bit."""
+    x, y = data(16)
+    straight, _, _ = train(8, x=x, y=y, optimizer=optimizer, runs=2)
+    weights, _, first = train(8, x=x[:8], y=y[:8], optimizer=optimizer)
+    model, loss, _ = classifier(8)
+    cfg = pk.SessionConfig(mode="training", device={"target": "offline"})
+    again = pk.TrainingSession(model, cfg, loss=loss, optimizer=optimizer,
+                               anchors={loss: "All"}, backend="xla")
+    again.write_weights(weights)
+    again.set_optimizer_state(first.optimizer_state())
+    again.run({"x": x[8:].reshape(again.io.input_shape("x")),
+               "label": y[8:].reshape(again.io.input_shape("label"))})
+    for name in ("w1", "w2"):
+        np.testing.assert_array_equal(again.weights()[name], straight[name])
+    key = next(k for k, v in first.optimizer_state().items() if isinstance(v, dict))
+    with pytest.raises(ValueError, match="has no weight 'nope'"):
+        again.set_optimizer_state({key: {"nope": np.zeros(2)}})
+    with pytest.raises(ValueError, match="shape"):
+        again.set_optimizer_state({key: {"w1": np.zeros(3)}})
+
+
 def test_a_loss_of_one_element_of_any_rank_trains_as_in_popart():
     """PopART refuses only a loss of more than one element (Ir::setFinalLoss): a [1, 1, 1, 1]
     loss trains as its scalar does."""

@@ -293,6 +293,23 @@ class TrainingSession(_Session):
                               rule="K-optimizer-state")
         return state()
 
+    def set_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        """Start the next runs from an optimizer state (a checkpoint's): ``state`` as
+        :meth:`optimizer_state` returns it, or part of it (the keys and weights left out keep
+        their values), each array of the state's shape (cast to its dtype); the weights
+        themselves go through :meth:`write_weights`. Refused, before anything changes: a key
+        or weight the state lacks, another shape, a backend that takes no state."""
+        setter = getattr(self._backend, "set_optimizer_state", None)
+        if setter is None:
+            raise ConfigError(f"the {self.backend} backend does not take an optimizer state. "
+                              f"Fix: load a model holding it under PopART's reserved names "
+                              f"(Accl___, Accl1___, ...), as modelToHost writes it.",
+                              rule="K-optimizer-state")
+        if not isinstance(state, Mapping):
+            raise DataTypeError(f"set_optimizer_state: expected the mapping optimizer_state() "
+                                f"returns, got {type(state).__name__}.", rule="K-stepio-type")
+        setter(state)
+
 
 
 def _micro_batch_size(model: onnx.ModelProto, config: SessionConfig) -> int | None:

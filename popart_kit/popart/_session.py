@@ -52,6 +52,9 @@ from ._options import SessionOptions
 from ._refusals import check_program
 
 GRADIENT = RESERVED_PREFIXES["Gradient"]
+#: Automatic loss scaling's variables in a checkpoint (automaticlossscaling.cpp).
+LOSS_SCALE_UPDATE_FACTOR = "lossScaleUpdateFactor"
+_HISTOGRAM, _LOSS_SCALE_UPDATE = "ai.graphcore.Histogram:1", "ai.graphcore.LossScaleUpdate:1"
 #: Operators that make a PopART session need a random seed (Ir::getRequiresRandomSeed).
 _RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                          "RandomUniformLike", "Multinomial", "Bernoulli", "ShapedDropout"})
@@ -600,7 +603,10 @@ class _Session:
         state = self._optimizer_tensors()
         known = {t.name: t for t in proto.graph.initializer}
         for name, array in state.items():  # the state now, also over a checkpoint's
-            tensor = numpy_helper.from_array(np.asarray(array), name)
+            array = np.asarray(array)
+            tensor = onnx.helper.make_tensor(  # INT32 in int32_data, as PopART writes it
+                name, onnx.TensorProto.INT32, array.shape, array.reshape(-1).tolist()) \
+                if array.dtype == np.int32 else numpy_helper.from_array(array, name)
             if name in known:
                 known[name].CopyFrom(tensor)
             else:
@@ -743,6 +749,7 @@ class TrainingSession(_Session):
         super().__init__("training", fnModel, dataFlow, deviceInfo, userOptions, loss, optimizer,
                          inputShapeInfo)
         self._load_optimizer_state()
+        self._load_loss_scaling_state()
 
     def updateOptimizerFromHost(self, optimizer: Optimizer) -> None:
         """New optimizer values for the next runs; PopART's rules: same optimizer type, and a
@@ -784,11 +791,12 @@ class TrainingSession(_Session):
         return out
 
     def _optimizer_tensors(self) -> dict[str, np.ndarray]:
-        """The kit's optimizer state under PopART's reserved names (:meth:`_state_names`)."""
+        """The kit's optimizer state under PopART's reserved names (:meth:`_state_names`),
+        and automatic loss scaling's variables (:meth:`_loss_scaling_tensors`)."""
         state = getattr(self._kit, "optimizer_state", None)
         if state is None:
             return {}
-        state, out = state(), {}
+        state, out = state(), self._loss_scaling_tensors()
         for name, (key, weight) in self._state_names(state).items():
             if weight is not None:
                 out[name] = np.asarray(state[key][weight])
@@ -824,6 +832,57 @@ class TrainingSession(_Session):
             kept.setdefault(key, {})[weight] = value.reshape(np.shape(state[key][weight]))
         try:
             self._kit.runtime.set_optimizer_state(kept)
+        except ValueError as err:
+            raise popart_exception(popart_text(err)) from None
+
+    def _loss_scaling_tensors(self) -> dict[str, np.ndarray]:
+        """Automatic loss scaling's variables as PopART's AutomaticLossScale transform adds
+        them to the model (automaticlossscaling.cpp: addOnesTensor, addOneTensor):
+        ``lossScaleUpdateFactor`` (the loss scale's dtype: float32) and, with updatePeriod
+        P > 1, an INT32 counter ``"<op id> (<op type>)_counter"`` per Histogram op (one per
+        tracked gradient; PopART's op ids, numbered here from 0) and one of the
+        LossScaleUpdate op (numbered after them). A counter starts at -1 and steps modulo
+        its M where its op could run: a Histogram's every micro-batch (M = A x P), the
+        LossScaleUpdate's every weight update (M = P). ``{}`` without loss scaling."""
+        runtime = self._kit.runtime
+        state = getattr(runtime, "loss_scaling_state", dict)()
+        if not state:
+            return {}
+        out = {LOSS_SCALE_UPDATE_FACTOR: state["factor"]}
+        period, acc, done = runtime.als.period, runtime.shape.accumulation, state["updates"]
+        if period > 1:
+            histogram = np.int32((done * acc - 1) % (acc * period) if done else -1)
+            for i in range(state["tracked"]):
+                out[f"{i} ({_HISTOGRAM})_counter"] = histogram
+            out[f"{state['tracked']} ({_LOSS_SCALE_UPDATE})_counter"] = np.int32(
+                (done - 1) % period if done else -1)
+        return out
+
+    def _load_loss_scaling_state(self) -> None:
+        """A checkpoint's automatic loss scaling variables (:meth:`_loss_scaling_tensors`,
+        found as PopART finds them: initializers of the model) start the session: the
+        factor from ``lossScaleUpdateFactor``, the period's phase from the LossScaleUpdate's
+        counter (or else a Histogram's). Without loss scaling they are left alone."""
+        runtime = self._kit.runtime
+        if not getattr(runtime, "loss_scaling_state", dict)():
+            return
+        given = {t.name: t for t in self.model.graph.initializer}
+        values = self._weights()
+
+        def value(name: str) -> np.ndarray:
+            return np.asarray(values[name] if name in values else to_array(given[name]))
+
+        factor = value(LOSS_SCALE_UPDATE_FACTOR) if LOSS_SCALE_UPDATE_FACTOR in given else None
+        acc, updates = runtime.shape.accumulation, None
+        for op_type, per_update in ((_LOSS_SCALE_UPDATE, 1), (_HISTOGRAM, acc)):
+            names = [n for n in given if n.endswith(f" ({op_type})_counter")]
+            if names:
+                updates = (int(value(names[0]).reshape(-1)[0]) + 1) // per_update
+                break
+        if factor is None and updates is None:
+            return
+        try:
+            runtime.set_loss_scaling_state(factor, updates)
         except ValueError as err:
             raise popart_exception(popart_text(err)) from None
 

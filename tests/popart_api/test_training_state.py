@@ -50,14 +50,19 @@ def test_weight_anchor_is_the_weight_after_the_update():
     np.testing.assert_allclose(got, [[0.5, -3.0], [-1.0, -5.0]])
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.5])
-def test_compound_scalars_are_anchors(momentum):
+@pytest.mark.parametrize("momentum, separate", [(0.0, False), (0.5, False), (0.5, True)])
+def test_compound_scalars_are_anchors(momentum, separate):
     b, x, w, loss = _model()
     lr, wd, ls, dm, vs, acc = 0.3, 0.1, 4.0, 0.2, 2.0, 2
     values = {"defaultLearningRate": (lr, False), "defaultWeightDecay": (wd, False),
               "lossScaling": (ls, False), "defaultDampening": (dm, False)}
     if momentum:
         values.update(defaultMomentum=(momentum, False), defaultVelocityScaling=(vs, False))
+    if separate:  # SGD2 (compoundscalarhelper.hpp): Post mean divides the dampening by A
+        want = {"scaledLearningRate2": lr / vs, "scaledMomentum2": momentum,
+                "scaledWeightDecay1": (1 - dm) * wd * vs,
+                "dampeningScaleFactor2": (1 - dm) * vs / (ls * acc)}
+    elif momentum:
         want = {"scaledLearningRate1": lr / vs, "scaledMomentum1": momentum,
                 "scaledWeightDecay1": (1 - dm) * wd * vs,
                 "dampeningScaleFactor1": (1 - dm) * vs / (ls * acc)}
@@ -65,7 +70,9 @@ def test_compound_scalars_are_anchors(momentum):
         want = {"scaledLearningRate0": lr * (1 - dm) / (ls * acc),
                 "weightDecayScaleFactor0": 1 - lr * (1 - dm) * wd}
     names = {f"{k}___default___FLOAT": v for k, v in want.items()}
-    sess = _session(b.getModelProto(), loss, popart.SGD(values),
+    mode = popart.SGDAccumulatorAndMomentum.Separate if separate else \
+        popart.SGDAccumulatorAndMomentum.Combined
+    sess = _session(b.getModelProto(), loss, popart.SGD(values, accumulatorAndMomentum=mode),
                     {n: popart.AnchorReturnType("Final") for n in names}, acc=acc)
     got = _run(sess, {x: np.ones((acc, 2), np.float32)})
     for name, value in names.items():

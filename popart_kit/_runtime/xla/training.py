@@ -22,8 +22,9 @@ the speed of larger matrix products for memory (``benchmarks/runtime_bench.py``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -49,10 +50,25 @@ from .state import Reduction, SessionState, apply_update, finite_flags, reduce_g
 
 __all__ = ["XlaTrainingBackend"]
 
-#: PopART's compound scalars of an SGD weight (compoundscalarhelper.hpp), anchorable by name:
-#: without a velocity (SGD0), and with one (SGD1, accumulator and momentum combined).
-_SGD0 = ("scaledLearningRate0", "weightDecayScaleFactor0")
-_SGD1 = ("scaledLearningRate1", "dampeningScaleFactor1", "scaledMomentum1", "scaledWeightDecay1")
+#: PopART's compound scalars of an SGD weight (compoundscalarhelper.hpp/.cpp), anchorable by
+#: name, by the weight's update (SGD::getOptimizerInputs): SGD0 without a velocity, SGD1 with one
+#: (accumulator and momentum Combined), SGD2 (Separate). Each stem: its value from the atoms
+#: ``a`` (lr, dm, wd, mm, vs, ls) and the factors ``f`` (af, rf: the accumulation and
+#: replication factors where the Post mean strategy divides by them; rf1: the replicas with
+#: gradient accumulation; dp1: dampeningScaleFactor1's af / rf).
+_STEMS: dict[str, dict[str, Callable[[Any, Any], Any]]] = {
+    "SGD0": {"scaledLearningRate0": lambda a, f: a.lr * (1 - a.dm) / (a.ls * f.af * f.rf),
+             "weightDecayScaleFactor0": lambda a, f: 1 - a.lr * (1 - a.dm) * a.wd},
+    "SGD1": {"scaledLearningRate1": lambda a, f: a.lr / (a.vs * f.rf1),
+             "dampeningScaleFactor1": lambda a, f: (1 - a.dm) * a.vs / (a.ls * f.dp1),
+             "scaledMomentum1": lambda a, f: a.mm / f.rf1,
+             "scaledWeightDecay1": lambda a, f: (1 - a.dm) * a.wd * a.vs},
+    "SGD2": {"scaledLearningRate2": lambda a, f: a.lr / a.vs,
+             "dampeningScaleFactor2": lambda a, f: (1 - a.dm) * a.vs / (a.ls * f.af * f.rf),
+             "scaledMomentum2": lambda a, f: a.mm,
+             "scaledWeightDecay1": lambda a, f: (1 - a.dm) * a.wd * a.vs},
+}
+_FORMULAS = {stem: formula for stems in _STEMS.values() for stem, formula in stems.items()}
 
 
 class XlaTrainingBackend(XlaBackend):
@@ -179,11 +195,11 @@ class XlaTrainingBackend(XlaBackend):
         {anchor: (stem, weight with specific values or None, dtype)} for an SGD's
         ``<stem>___default___<TYPE>`` (TYPE a trainable weight's) and
         ``<stem>___specific___<weight>``; SGD0's stems without a velocity, SGD1's with one
-        (``anchors``: the session's unless given)."""
+        (Combined), SGD2's with one kept Separate (``anchors``: the session's unless given)."""
         opt = self.optimizer
-        if type(opt).__name__ != "SGD" or getattr(opt, "accumulator_and_momentum",
-                                                   "combined") != "combined":
+        if type(opt).__name__ != "SGD":
             return {}
+        separate = getattr(opt, "accumulator_and_momentum", "combined") == "separate"
         types = {als.onnx_name(np.dtype(w.dtype)): np.dtype(w.dtype)
                  for n, w in self.graph.weights.items() if n in self.graph.trainable
                  and np.issubdtype(np.dtype(w.dtype), np.floating)}
@@ -199,34 +215,29 @@ class XlaTrainingBackend(XlaBackend):
                 dtype = np.dtype(self.graph.weights[weight].dtype)
             else:
                 continue
-            if stem in (_SGD1 if velocity else _SGD0):
+            if stem in _STEMS["SGD2" if separate else "SGD1"] if velocity else \
+                    stem in _STEMS["SGD0"]:
                 out[anchor] = (stem, weight, dtype)
         return out
 
     def _compound_value(self, stem: str, weight: str | None, hyper: Any) -> Any:
         """Compound scalar ``stem`` of ``weight`` (None: the defaults) from the device
-        hyperparameters, by PopART's formulas (compoundscalarhelper.hpp): af and rf are the
-        accumulation and replication factors where the Post mean strategy divides by them."""
+        hyperparameters, by PopART's formulas (:data:`_STEMS`)."""
         def atom(name: str, default: float) -> Any:
             return hyper.get(f"{name}@{weight}", hyper.get(name, default))
 
-        lr, dm, wd = atom("learning_rate", 0.0), atom("dampening", 0.0), atom("weight_decay", 0.)
-        mm, vs = atom("momentum", 0.0), atom("velocity_scaling", 1.0)
-        ls = hyper.get("loss_scaling", 1.0)
         acc, replicas = self.shape.accumulation, self.shape.global_replicas
-        post = (self.config.accumulation.reduction == "mean"
-                and self.config.accumulation.mean_strategy == "post")
         mean = self.config.accumulation.reduction == "mean"
-        af, rf = (acc if post else 1), (replicas if post else 1)
-        rf1 = replicas if acc > 1 else 1  # SGD1: with gradient accumulation
-        if stem == "dampeningScaleFactor1":
-            rf = replicas if acc > 1 and not mean else 1 / replicas if acc == 1 and mean else 1
-            return (1 - dm) * vs * rf / (ls * (acc if mean else 1))
-        return {"scaledLearningRate0": lambda: lr * (1 - dm) / (ls * af * rf),
-                "weightDecayScaleFactor0": lambda: 1 - lr * (1 - dm) * wd,
-                "scaledLearningRate1": lambda: lr / (vs * rf1),
-                "scaledMomentum1": lambda: mm / rf1,
-                "scaledWeightDecay1": lambda: (1 - dm) * wd * vs}[stem]()
+        post = mean and self.config.accumulation.mean_strategy == "post"
+        atoms = SimpleNamespace(
+            lr=atom("learning_rate", 0.0), dm=atom("dampening", 0.0),
+            wd=atom("weight_decay", 0.0), mm=atom("momentum", 0.0),
+            vs=atom("velocity_scaling", 1.0), ls=hyper.get("loss_scaling", 1.0))
+        dp1 = (acc if mean else 1) / (  # dampeningScaleFactor1's af / rf
+            replicas if acc > 1 and not mean else 1 / replicas if acc == 1 and mean else 1)
+        factors = SimpleNamespace(af=acc if post else 1, rf=replicas if post else 1,
+                                  rf1=replicas if acc > 1 else 1, dp1=dp1)
+        return _FORMULAS[stem](atoms, factors)
 
     def _extra_anchors(self, anchors: Mapping[str, Any] | None = None) -> set[str]:
         """The anchors that are no tensors of the model: the loss scale's (any training
@@ -605,6 +616,42 @@ class XlaTrainingBackend(XlaBackend):
                     else:
                         have[weight] = cast
             self.state = replace(self.state, optimizer=self.placement.put_everywhere(new))
+
+    def loss_scaling_state(self) -> dict[str, Any]:
+        """Automatic loss scaling's state on the host: ``{"factor": float32 scalar (the loss
+        scale update factor), "updates": weight updates counted so far (an int: the period's
+        phase), "tracked": how many gradients the histograms count}``; ``{}`` without it."""
+        if self.als is None:
+            return {}
+        tracked = len(self.tracking.tensors) + sum(len(i) for _, i in self.tracking.nodes)
+        return {"factor": np.asarray(self.placement.fetch(self.state.scaling), np.float32),
+                "updates": int(np.asarray(self.placement.fetch(self.state.updates))),
+                "tracked": tracked}
+
+    def set_loss_scaling_state(self, factor: Any = None, updates: int | None = None) -> None:
+        """Replace automatic loss scaling's state (a checkpoint's): the loss scale update
+        ``factor`` (a scalar, or None: kept) and the ``updates`` counted so far (None: kept).
+        Refused: a session without automatic loss scaling, a factor that is not one finite
+        positive number, negative updates."""
+        if self.als is None:
+            raise ConfigError("set_loss_scaling_state: automatic loss scaling is off in this "
+                              "session. Fix: enable automaticLossScalingSettings.",
+                              rule="K-optimizer-state")
+        new: dict[str, Any] = {}
+        if factor is not None:
+            value = np.asarray(factor, np.float32)
+            if value.size != 1 or not np.isfinite(value).all() or value.reshape(-1)[0] <= 0:
+                raise ConfigError(f"loss scale update factor {value.tolist()}: give one finite "
+                                  f"positive number (the factor starts at 1).",
+                                  rule="K-optimizer-state")
+            new["scaling"] = self.placement.put_everywhere(value.reshape(()))
+        if updates is not None:
+            if int(updates) < 0:
+                raise ConfigError(f"loss scaling updates={updates}: give a count of 0 or more.",
+                                  rule="K-optimizer-state")
+            new["updates"] = self.placement.put_everywhere(np.int32(updates))
+        with self._lock:
+            self.state = replace(self.state, **new)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """New hyperparameter values (the session checked it is the same kind of optimizer):
