@@ -244,12 +244,33 @@ def test_wrong_arguments_fail_like_python_calls():
 
 
 def test_shape_mistakes_fail_when_the_op_is_created():
+    """builder_impl.cpp addOp: an output of a negative size is refused at once, in PopART's
+    words (a Tile of negative repeats); the refused op's ids are not used."""
     b = pk.Builder()
     x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3]))
-    y = b.addInputTensor(pk.TensorInfo("FLOAT", [4, 5]))
-    with pytest.raises(pk.BuilderError, match="MatMul on .*Incompatible dimensions"):
-        b.aiOnnx.matmul([x, y])
-    assert b.aiOnnx.matmul([x, b.aiOnnx.transpose([x])]) == "MatMul:0"  # the id was not used
+    repeats = b.aiOnnx.constant(np.array([1, -4], np.int64))
+    with pytest.raises(pk.BuilderError, match=r"Output 'Tile:0' of node 'Tile' has invalid "
+                       r"shape, \[2 -12\]. Values must be non-negative"):
+        b.aiOnnx.tile([x, repeats])
+    assert b.aiOnnx.tile([x, b.aiOnnx.constant(np.array([1, 2], np.int64))]) == "Tile:0"
+
+
+def test_matmul_mistakes_leave_the_output_untyped_and_the_model_is_refused():
+    """As PopART: the Builder leaves a MatMul PopART's op refuses untyped; the model check
+    refuses it in the words of matmul.cpp npMatMulOut."""
+    from popart_kit._model.checks import check_model
+
+    b = pk.Builder()
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3]), "x")
+    y = b.addInputTensor(pk.TensorInfo("FLOAT", [4, 5]), "y")
+    m = b.aiOnnx.matmul([x, y])
+    with pytest.raises(pk.BuilderError, match="not known"):
+        b.getTensorShape(m)
+    b.addOutputTensor(m)
+    with pytest.raises(pk.ModelError, match=r"Op\(ai.onnx.MatMul:9, inputs=\[x, y\], "
+                       r"outputs=\[MatMul:0\]\) contracting dimensions unequal: lhs 'x' "
+                       r"\[2 3\], rhs 'y' \[4 5\]"):
+        check_model(onnx.load_from_string(b.getModelProto()))
 
 
 def test_scalars_stay_scalars():

@@ -95,7 +95,8 @@ def test_inputs_popart_refuses_build_untyped_and_the_session_refuses_them(shapes
     flow = popart.DataFlow(1, {c: popart.AnchorReturnType("All")})
     with pytest.raises(popart.popart_exception) as err:
         popart.InferenceSession(b.getModelProto(), flow, popart.DeviceManager().createCpuDevice())
-    assert words in err.value.args[0] and "K-model-popart-setup" in err.value.args[0]
+    # PopART's text alone, as PopART raises it (no kit suffix after it)
+    assert err.value.args[0].endswith(words) and "K-model-popart-setup" not in err.value.args[0]
 
 
 def _node_types(node, types, data=None, version=11):
@@ -149,3 +150,120 @@ def test_model_checks_refuse_what_popart_refuses_and_only_warn_for_what_it_runs(
     assert first_refusal(broken) == ("Expand shape constraint: corresponding dimensions must "
                                      "have the same value or one of them must be 1")
     assert [p.rule for p in model_problems(broken)] == ["K-model-popart-setup"]
+
+
+def _tile_of_a_stream(b, x):
+    return b.aiOnnx.tile([x, b.addInputTensor(popart.TensorInfo("INT64", [2]), "reps")])
+
+
+def _slice_of_a_stream(b, x):
+    starts = b.addInputTensor(popart.TensorInfo("INT32", [2]), "starts")
+    return b.aiOnnx.slice([x, starts, b.aiOnnx.constant(np.array([2, 3], np.int32))])
+
+
+def _reshape_two_unknown(b, x):
+    return b.aiOnnx.reshape([x, b.aiOnnx.constant(np.array([-1, -1], np.int64))])
+
+
+def _tile_short_repeats(b, x):
+    return b.aiOnnx.tile([x, b.aiOnnx.constant(np.array([2, 1, 4], np.int64))])
+
+
+def _matmul_scalar(b, x):
+    return b.aiOnnx.matmul([b.aiOnnx.constant(np.array(2, np.float32)), x])
+
+
+def _transpose_short_perm(b, x):
+    return b.aiOnnx.transpose([x], [1])
+
+
+def _batchnorm_wrong_scale(b, x):
+    x4 = b.aiOnnx.reshape([x, b.aiOnnx.constant(np.array([1, 2, 3, 1], np.int64))])
+    stats = [b.aiOnnx.constant(np.ones(n, np.float32)) for n in (1, 2, 2, 2)]
+    return b.aiOnnx.batchnormalization([x4, *stats], 1)[0]
+
+
+@pytest.mark.parametrize(("build", "words"), [
+    (_tile_of_a_stream, "The 'Repeats' Tensor `reps' must be of type Constant"),
+    (_slice_of_a_stream, "Need the value of the ai.onnx.Slice:10 input 'starts' to determine "
+     "the output shape, but was unable because [Tensor::getDataViaGraphTraversal] Could not "
+     "work out tensor data for starts."),
+    (_reshape_two_unknown, "Need the value of the ai.onnx.Reshape:5 input 'shape' to determine "
+     "the output shape, but was unable because shape input to ReshapeOp can only use -1 to "
+     "specify one unknown dimension"),
+    (_tile_short_repeats, "'Repeats' tensor `Constant:0' should have one element for each "
+     "dimension of the data tensor"),
+    (_matmul_scalar, "Op(ai.onnx.MatMul:9, inputs=[Constant:0, x], outputs=[MatMul:0]) "
+     "doesn't support scalar tensor Constant:0 as the lhs input"),
+    (_transpose_short_perm, "Rank of permutation tensor [1], rank 1 must be equal to rank of "
+     "input tensor, shape [2 3], rank 2."),
+    (_batchnorm_wrong_scale, "expected shape of batch norm input tensor scale ([1]) to be [2] "
+     "to match dimension 1 of X ([1 2 3 1])"),
+])
+def test_popart_s_own_refusals_are_raised_in_its_words_alone(build, words):
+    """What PopART's ops refuse when the session is made (their connectInTensor / setup, and
+    the xla lowering's compile-time inputs), raised by the drop-in as PopART's text alone."""
+    b = popart.Builder(opsets={"ai.onnx": 10, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    out = build(b, x)
+    b.addOutputTensor(out)
+    flow = popart.DataFlow(1, {out: popart.AnchorReturnType("All")})
+    with pytest.raises(popart.popart_exception) as err:
+        popart.InferenceSession(b.getModelProto(), flow, popart.DeviceManager().createCpuDevice())
+    assert err.value.args[0] == words
+
+
+def test_what_popart_types_and_onnx_does_not_runs():
+    """A Reshape to a Shape's value and a Concat-4 of negative axis build and run as PopART
+    runs them; the ONNX reference is onnxruntime at opset 11 (which takes the negative axis).
+    An output of a negative size and a pool's pads of the wrong length are refused when the op
+    is added, in PopART's words."""
+    b = popart.Builder(opsets={"ai.onnx": 10, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    like = b.addInputTensor(popart.TensorInfo("FLOAT", [3, 2]), "like")
+    r = b.aiOnnx.reshape([x, b.aiOnnx.shape([like])])
+    c = b.aiOnnx.concat([r, r], -1)
+    assert b.getTensorShape(r) == [3, 2] and b.getTensorShape(c) == [3, 4]
+    with pytest.raises(popart.popart_exception, match=r"Output 'Tile:0' .* \[2 -6\]\. Values "
+                       r"must be non-negative in each shape dimension\."):
+        b.aiOnnx.tile([x, b.aiOnnx.constant(np.array([1, -2], np.int64))])
+    with pytest.raises(popart.popart_exception, match=r"^Padding vector \(length 3\) does not "
+                       r"have 2 values for each spatial dimension 2"):
+        b.aiOnnx.averagepool([b.aiOnnx.unsqueeze([b.aiOnnx.unsqueeze([x], [0])], [0])],
+                             kernel_shape=[1, 1], pads=[0, 0, 0])
+    flat = b.aiOnnx.flatten([c], -1)
+    b.addOutputTensor(flat)
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = _session(b, [flat], {x: data, like: np.zeros((3, 2), np.float32)})[flat]
+    (want,) = _ort(helper.make_node("Concat", ["a", "b"], ["c"], axis=-1),
+                   {"a": data.reshape(3, 2), "b": data.reshape(3, 2)}, 11)
+    np.testing.assert_array_equal(got, want.reshape(3, 4))
+
+
+def test_supported_operations_definition_describes_each_supported_operator():
+    """popart.getSupportedOperationsDefinition: each supported operator (with includePrivate,
+    the ai.graphcore ones too) with its inputs' and outputs' tensor types and attributes."""
+    public = popart.getSupportedOperationsDefinition(False)
+    every = popart.getSupportedOperationsDefinition(True)
+    assert set(public) == set(popart.getSupportedOperations(False)) and len(every) > len(public)
+    add = next(v for k, v in public.items() if k.type == "Add" and k.version == 7)
+    assert [i.name for i in add.inputs] == ["A", "B"] and add.outputs[0].name == "C"
+    assert popart.DataType.FLOAT in add.inputs[0].supportedTensors
+    flatten = next(v for k, v in public.items() if k.type == "Flatten")
+    assert flatten.attributes["axis"].supportedValuesRegex == "*"
+
+
+def test_an_empty_list_attribute_is_any_list_and_the_op_refuses_it_in_popart_s_words():
+    """PopART's addNodeAttribute(name, []) writes an empty INTS that its op reads as the list
+    it wants: RNN's empty ``activations`` reaches rnn.cpp readActivations' refusal, not the
+    kit's attribute-type check."""
+    b = popart.Builder(opsets={"ai.onnx": 10, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 1, 1]), "x")
+    w, r = (b.addInitializedInputTensor(np.ones((1, 1, 1), np.float32)) for _ in range(2))
+    y = b.aiOnnx.rnn([x, w, r], 1)
+    b.addNodeAttribute("activations", [], set(y))
+    b.addOutputTensor(y[0])
+    flow = popart.DataFlow(1, {y[0]: popart.AnchorReturnType("All")})
+    with pytest.raises(popart.popart_exception, match="only supports 1 activation, 0 were "
+                       "specified"):
+        popart.InferenceSession(b.getModelProto(), flow, popart.DeviceManager().createCpuDevice())

@@ -244,3 +244,37 @@ def test_l1_loss_of_float16_accumulates_wider_than_float16():
     mean = run("L1", x, domain=GRAPHCORE, reduction="Mean")
     assert mean.dtype == np.float16 and float(mean) == 0.75
     assert float(run("L1", x[:1000], domain=GRAPHCORE, reduction="Sum")) == 750
+
+
+def test_pow_gradients_are_popart_patterns_at_zero_and_negative_bases():
+    """powarg0/1gradoppattern.cpp: d/dx = where(y == 0, 0, y x^(y-1)); d/dy = where(x == 0 and
+    y >= 0 (not NaN), 0, x^y log x) - held against numpy of those formulas."""
+    x = np.array([0, 0, 0, -0.5, -0.5, 0.5, 2, 0, 3], f32)
+    y = np.array([0, 2, -1, 2, 0.5, -2, 0, np.nan, 1.5], f32)
+    dx, dy = grads("Pow", x, y)
+    with np.errstate(all="ignore"):
+        want_dx = np.where(y == 0, 0, y * np.power(x, y - 1))
+        want_dy = np.where((x == 0) & ~((y < 0) | np.isnan(y)), 0, np.power(x, y) * np.log(x))
+    np.testing.assert_allclose(dx, want_dx.astype(f32), rtol=1e-6)
+    np.testing.assert_allclose(dy, want_dy.astype(f32), rtol=1e-6)
+    assert dx[0] == 0 and dy[2] == -np.inf   # 0^0's base gradient; 0^-1's exponent gradient
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_batchnorm_spatial_0_normalises_each_element_over_the_batch(training):
+    """batchnormx.cpp:110: spatial=0 (opset 7) normalises X as [N, C*D1*...*Dn, 1]; scale, B,
+    mean and var have X's shape but the first dimension (numpy oracle)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, 2, 2)).astype(f32)
+    scale, bias = (rng.standard_normal((2, 2, 2)).astype(f32) for _ in range(2))
+    mean, var = np.zeros((2, 2, 2), f32), np.ones((2, 2, 2), f32)
+    outs = ["y", "m", "v", "sm", "sv"] if training else ["y"]
+    ctx = Ctx("n", "BatchNormalization", 7, {"spatial": 0, "epsilon": 1e-5, "momentum": 0.9},
+              [f"i{i}" for i in range(5)], outs, [False] * 5)
+    got = OPS[("", "BatchNormalization")].fn(ctx, *map(jnp.asarray, (x, scale, bias, mean, var)))
+    m, v = (x.mean(0), x.var(0)) if training else (mean, var)
+    np.testing.assert_allclose(got[0], (x - m) / np.sqrt(v + 1e-5) * scale + bias, rtol=1e-5,
+                               atol=1e-6)
+    if training:
+        np.testing.assert_allclose(got[1], 0.9 * mean + 0.1 * m, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got[2], 0.9 * var + 0.1 * v, rtol=1e-5)

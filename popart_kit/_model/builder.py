@@ -247,6 +247,8 @@ def _call_onnx_op(builder: Builder, op: OpSignature, *args: Any, **kwargs: Any) 
         attrs[attr_name] = value
     if op.op_type == "Conv":
         _verify_conv(builder, inputs, attrs)
+    elif op.op_type in ("AveragePool", "MaxPool"):
+        _verify_pool(builder, inputs, attrs)
     # PopART's ReduceOp reduces nothing for an explicit empty axes (ONNX would reduce all)
     out_types = [builder._types[inputs[0]]] if empty and inputs[0] in builder._types else None
     ids = builder._add_node(op.op_type, inputs, outputs, attrs, name, out_types=out_types)
@@ -348,7 +350,23 @@ def _verify_conv(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, An
     if weights is not None and "kernel_shape" in attrs and list(attrs["kernel_shape"]) != kernel:
         raise BuilderError(f"kernel_shape, {_vector(attrs['kernel_shape'])}, does not match "
                            f"inferred shape from weight input '{inputs[1]}', {_vector(kernel)}")
-    data = _known_shape(builder, inputs[0])
+    _verify_window(builder, inputs[0], attrs, kernel)
+
+
+def _verify_pool(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, Any]) -> None:
+    """PopART's checks when an AveragePool or MaxPool is added (builder_helper.cpp
+    verifyPoolBase): the window checks of :func:`_verify_window`, with ``kernel_shape``."""
+    if inputs:
+        _verify_window(builder, inputs[0], attrs, list(attrs.get("kernel_shape", [])),
+                       ceil_mode=bool(attrs.get("ceil_mode", 0)))
+
+
+def _verify_window(builder: Builder, data_id: str, attrs: Mapping[str, Any], kernel: list[int],
+                   ceil_mode: bool = False) -> None:
+    """builder_helper.cpp verifyWindowParameters, in PopART's words: the window vectors have
+    one value per spatial dimension of input ``data_id`` (pads two), and with a kernel they
+    give a spatial output of no negative size."""
+    data = _known_shape(builder, data_id)
     if data is None:
         return
     spatial = len(data) - 2
@@ -366,12 +384,14 @@ def _verify_conv(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, An
     if not kernel or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET", ""):
         return
     out = []
-    for d in range(spatial):
+    for d in range(min(spatial, len(kernel))):
         pad = (pads[d] + pads[d + spatial]) if pads else 0
         dilation = dilations[d] if dilations else 1
         stride = strides[d] if strides else 1
         span = data[2 + d] + pad - dilation * (kernel[d] - 1) - 1
-        out.append(int(np.trunc(span / stride)) + 1)  # C++ division rounds toward zero
+        # C++ division rounds toward zero; ceil_mode rounds the quotient up
+        quotient = int(np.ceil(span / stride)) if ceil_mode else int(np.trunc(span / stride))
+        out.append(quotient + 1)
     if any(size < 0 for size in out):
         raise BuilderError(f"Window parameter values combine to give invalid spatial output "
                            f"shape: {_vector(out)}")
@@ -633,13 +653,35 @@ class Builder(NodeSettings, SubgraphBuilding):
             for tensor in ids:
                 del self._types[tensor]
             raise BuilderError(f"{op_type} on {inputs}: {err}") from None
+        for tensor, proto in types.items():  # builder_impl.cpp addOp's check, in its words
+            dims = [d.dim_value for d in proto.tensor_type.shape.dim]
+            if any(d < 0 for d in dims):
+                for reserved in ids:
+                    del self._types[reserved]
+                raise BuilderError(f"Output '{tensor}' of node '{node_name or op_type}' has "
+                                   f"invalid shape, [{' '.join(map(str, dims))}]. Values must "
+                                   f"be non-negative in each shape dimension.")
         self._types.update(types)
         self._graph.node.append(node)
         if data is not None:
             self._data[ids[0]] = data
+        elif op_type == "Shape" and not domain and inputs[0] in self._types:
+            self._shape_value(node, inputs[0])
         if domain == AI_GRAPHCORE:
             self._uses_graphcore = True
         return ids
+
+    def _shape_value(self, node: onnx.NodeProto, tensor: str) -> None:
+        """A Shape's value, known where its input's shape is: later nodes' inference reads it,
+        as PopART's IR reads the value of a Shape of a known tensor (a Reshape's shape)."""
+        found = self._types[tensor].tensor_type
+        if not found.HasField("shape") or any(not d.HasField("dim_value")
+                                              for d in found.shape.dim):
+            return
+        dims = [d.dim_value for d in found.shape.dim]
+        attrs = {a.name: a.i for a in node.attribute}
+        value = np.array(dims[attrs.get("start", 0):attrs.get("end", len(dims))], np.int64)
+        self._data[node.output[0]] = numpy_helper.from_array(value, node.output[0])
 
     def _infer(self, node: onnx.NodeProto, domain: str) -> dict[str, onnx.TypeProto]:
         """The outputs' types as PopART gives them (popart_types.node_types): ONNX's strict

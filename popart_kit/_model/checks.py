@@ -12,13 +12,14 @@ finds shape and type mistakes (one at a time). Attributes named ``__*`` are PopA
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import onnx
 
 from .._base.problems import Problem, raise_errors
 from ..errors import InvalidModel, clip
 from .builder_subgraphs import without_branch_inputs
-from .popart_types import first_refusal
+from .popart_types import first_refusal, first_setup_refusal
 
 __all__ = ["model_problems", "check_model"]
 
@@ -375,6 +376,41 @@ def _without_popart_extras(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
+_LISTS = {onnx.AttributeProto.INTS: "ints", onnx.AttributeProto.FLOATS: "floats",
+          onnx.AttributeProto.STRINGS: "strings"}
+
+
+def _empty_list(attr: onnx.AttributeProto, wanted: int) -> bool:
+    """An empty list where the schema wants a list of another kind: an empty list has no
+    element type (PopART's addNodeAttribute(name, []) writes INTS, and its op reads it as the
+    empty list of what it wants)."""
+    return (attr.type in _LISTS and wanted in _LISTS
+            and not len(getattr(attr, _LISTS[attr.type])))
+
+
+def _empty_lists_retyped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose empty list attributes (:func:`_empty_list`) have the list
+    type their schema defines, as onnx.checker takes them."""
+    opsets = _opsets(model)
+
+    def retyped(node: onnx.NodeProto) -> list[tuple[onnx.AttributeProto, int]]:
+        schema = _schema(node, opsets)
+        if schema is None:
+            return []
+        return [(a, int(schema.attributes[a.name].type)) for a in node.attribute
+                if a.name in schema.attributes
+                and _empty_list(a, int(schema.attributes[a.name].type))]
+
+    if not any(retyped(node) for node in model.graph.node):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        for attr, wanted in retyped(node):
+            attr.type = wanted
+    return copy
+
+
 def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
     opsets, out = _opsets(model), []
     for i, node in enumerate(model.graph.node):
@@ -393,7 +429,7 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
                                     f"not define (it defines: {allowed}).",
                                     "remove it, or spell it as the operator defines it.",
                                     "K-model-attribute-unknown"))
-            elif int(spec.type) != int(attr.type):
+            elif int(spec.type) != int(attr.type) and not _empty_list(attr, int(spec.type)):
                 given = onnx.AttributeProto.AttributeType.Name(attr.type)
                 want = onnx.AttributeProto.AttributeType.Name(int(spec.type))
                 out.append(_problem(f"nodes.{_name(node, i)}",
@@ -403,24 +439,26 @@ def _attribute_problems(model: onnx.ModelProto) -> list[Problem]:
     return out
 
 
-def _popart_refusal(model: onnx.ModelProto) -> list[Problem]:
-    """The first node PopART's op refuses (popart_types.first_refusal), in its words."""
+def _popart_refusal(model: onnx.ModelProto, typed: bool = False) -> list[Problem]:
+    """The first node PopART's op refuses (popart_types.first_refusal; ``typed``: a model
+    ONNX's inference accepts, popart_types.first_setup_refusal), in its words."""
     try:
-        refusal = first_refusal(model)
+        refusal = first_setup_refusal(model) if typed else first_refusal(model)
     except (ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
         return []
     if refusal is None:
         return []
-    return [_problem("checker", f"PopART refuses the model: {clip(refusal, 600)}",
-                     "give the op inputs it takes (shapes that broadcast, one data type, "
-                     "constant shape inputs).", "K-model-popart-setup")]
+    problem = _problem("checker", f"PopART refuses the model: {clip(refusal, 600)}",
+                       "give the op inputs it takes (shapes that broadcast, one data type, "
+                       "constant shape inputs).", "K-model-popart-setup")
+    return [replace(problem, popart=refusal)]  # popart_kit.popart raises PopART's text alone
 
 
 def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     """onnx.checker's structural check (PopART's), then ONNX's strict shape and type inference
     (the kit's: PopART infers leniently, so under popart_kit.popart it only warns); where that
     refuses, a node PopART's op refuses (popart_types.first_refusal) is the error reported."""
-    model = without_branch_inputs(_without_popart_extras(model))
+    model = without_branch_inputs(_without_popart_extras(_empty_lists_retyped(model)))
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
@@ -450,7 +488,7 @@ def _checker_problems(model: onnx.ModelProto) -> list[Problem]:
     except ValueError as err:  # a value no ONNX type has (a data type number, ...)
         return [_problem("checker", f"onnx cannot read the model: {clip(str(err), 300)}",
                          "correct the value it names.", "K-model-onnx-checker")]
-    return []
+    return _popart_refusal(model, typed=True)  # what PopART's ops refuse and ONNX types
 
 
 def model_problems(model: onnx.ModelProto) -> list[Problem]:

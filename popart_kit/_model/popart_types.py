@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["PopartRefusal", "BUILDER_RULES", "SETUP_RULES", "node_types", "onnx_types"]
+__all__ = ["PopartRefusal", "ALWAYS_CHECKED", "BUILDER_RULES", "SETUP_RULES", "first_refusal",
+           "first_setup_refusal", "node_types", "onnx_types", "tensor_data_text"]
 
 Shape = tuple[int, ...]
 Typed = tuple[int, Shape]  # (ONNX elem type, shape)
@@ -55,6 +56,23 @@ class Node:
         name = self.proto.name or (self.proto.output[0] if self.proto.output else "")
         return f"Op {name} (ai.onnx.{self.proto.op_type}:{self.version})"
 
+    def opid(self) -> str:
+        """The op's identifier as PopART prints it: ``ai.onnx.Slice:10`` (the version of the
+        op's schema at the model's opset)."""
+        try:
+            since = onnx.defs.get_schema(self.proto.op_type, self.version, "").since_version
+        except onnx.defs.SchemaError:
+            since = self.version
+        return f"ai.onnx.{self.proto.op_type}:{since}"
+
+    def debug_name(self) -> str:
+        """The op as PopART's ``Op::debugName`` names it:
+        ``Op(ai.onnx.MatMul:9, inputs=[a, b], outputs=[MatMul:0])`` (a named op:
+        ``Op(name (ai.onnx.MatMul:9), ...)``)."""
+        ident = f"{self.proto.name} ({self.opid()})" if self.proto.name else self.opid()
+        return (f"Op({ident}, inputs=[{', '.join(self.proto.input)}], "
+                f"outputs=[{', '.join(self.proto.output)}])")
+
     def known(self, *indices: int) -> list[Typed]:
         found = [self.inputs[i] if i < len(self.inputs) else None for i in indices]
         if any(t is None for t in found):
@@ -64,6 +82,11 @@ class Node:
 
 class _Unknown(Exception):
     """An input's type or shape is not known: the rule cannot type the node."""
+
+
+class _NoValue(PopartRefusal):
+    """PopART's refusal of a shape input with no constant value (the xla lowering may still
+    compute the value from shapes)."""
 
 
 def _type_name(elem: int) -> str:
@@ -135,18 +158,144 @@ def _variadic(node: Node) -> list[Typed]:
     return [out]
 
 
+def tensor_data_text(op: str, what: str, tensor: str) -> str:
+    """PopART's refusal when an op needs the value of input ``what`` (``tensor``) to type its
+    output and the tensor has none (Op::getInTensorData, e.g. slice.cpp connectInTensor)."""
+    return (f"Need the value of the {op} input '{what}' to determine the output shape, but was "
+            f"unable because [Tensor::getDataViaGraphTraversal] Could not work out tensor data "
+            f"for {tensor}.")
+
+
 def _shape_value(node: Node, index: int, what: str) -> Shape:
     """The value of a constant INT32 or INT64 shape input (PopART's getInTensorData)."""
     value = node.values.get(index)
+    tensor = node.proto.input[index]
     if value is None:
-        raise PopartRefusal(f"Need the value of the {node.op()} input '{what}' to determine "
-                            f"the output shape, but was unable because the tensor "
-                            f"'{node.proto.input[index]}' does not have data")
+        raise _NoValue(tensor_data_text(node.opid(), what, tensor))
     if value.dtype not in (np.int32, np.int64):
-        raise PopartRefusal(f"Need the value of the {node.op()} input '{what}' to determine "
-                            f"the output shape, but was unable because its data type is "
-                            f"{value.dtype}; PopART reads INT32 or INT64")
+        kind = _type_name(helper.np_dtype_to_tensor_dtype(value.dtype))
+        raise PopartRefusal(f"Need the value of the {node.opid()} input '{what}' to determine "
+                            f"the output shape, but was unable because the tensor `{tensor}` "
+                            f"is not the correct type, it is {kind}")
     return tuple(int(v) for v in value.reshape(-1))
+
+
+def _tile(node: Node) -> list[Typed]:
+    """TileOp (tile.cpp connectInTensor): the constant INT64 ``repeats`` has one element per
+    input dimension; the output is the input's shape times them (negative repeats give the
+    negative sizes PopART's Builder refuses)."""
+    (t0,) = node.known(0)
+    repeats = node.values.get(1)
+    if repeats is None:
+        raise _Unknown
+    tensor = node.proto.input[1]
+    if repeats.size != len(t0[1]):
+        raise PopartRefusal(f"'Repeats' tensor `{tensor}' should have one element for each "
+                            f"dimension of the data tensor")
+    return [(t0[0], tuple(int(d) * int(r) for d, r in zip(t0[1], repeats.reshape(-1),
+                                                          strict=True)))]
+
+
+def _reshape(node: Node) -> list[Typed]:
+    """ReshapeOp (reshape.cpp finaliseShape and setup): no size under -1, zeros take the input's
+    size, one -1 inferred, the element count kept."""
+    (t0,) = node.known(0)
+    shape = list(_shape_value(node, 1, "shape"))
+
+    def refuse(reason: str) -> PopartRefusal:
+        return PopartRefusal(f"Need the value of the {node.opid()} input 'shape' to determine "
+                             f"the output shape, but was unable because {reason}")
+
+    bad = [d for d in shape if d < -1]
+    if bad:
+        raise refuse(f"Dimension, {bad[0]}, of new shape for Reshape cannot be smaller than -1.")
+    if not node.attrs.get("allowzero", 0):
+        shape = [t0[1][i] if d == 0 and i < len(t0[1]) else d for i, d in enumerate(shape)]
+    if -1 in shape:
+        size, rest = int(np.prod(t0[1], dtype=np.int64)), -int(np.prod(shape, dtype=np.int64))
+        if rest == 0 or size % abs(rest):
+            raise refuse("Incompatible inferred dimension, not whole number.")
+        if shape.count(-1) > 1:
+            raise refuse("shape input to ReshapeOp can only use -1 to specify one unknown "
+                         "dimension")
+        shape[shape.index(-1)] = size // rest
+    n_in, n_out = int(np.prod(t0[1], dtype=np.int64)), int(np.prod(shape, dtype=np.int64))
+    if n_in != n_out:
+        raise PopartRefusal(f"Failure in ReshapeOp::setup() for {node.debug_name()}. Trying to "
+                            f"reshape from {_dims(t0[1])} to {_dims(shape)}. The number of "
+                            f"elements of the input is {n_in}, while the number of elements of "
+                            f"the output is {n_out}. The number of elements cannot change for "
+                            f"a ReshapeOp")
+    return [(t0[0], tuple(shape))]
+
+
+def _matmul(node: Node) -> list[Typed]:
+    """MatMulOp::npMatMulOut (matmul.cpp): no scalar input, numpy's matmul shapes, equal
+    contracting dimensions; input 0's type."""
+    t0, t1 = node.known(0, 1)
+    for side, t, name in (("lhs", t0, node.proto.input[0]), ("rhs", t1, node.proto.input[1])):
+        if not t[1]:
+            raise PopartRefusal(f"{node.debug_name()} doesn't support scalar tensor {name} as "
+                                f"the {side} input")
+    lhs = ([1] if len(t0[1]) == 1 else []) + list(t0[1])
+    rhs = list(t1[1]) + ([1] if len(t1[1]) == 1 else [])
+    if lhs[-1] != rhs[-2]:
+        raise PopartRefusal(f"{node.debug_name()} contracting dimensions unequal: lhs "
+                            f"'{node.proto.input[0]}' {_dims(lhs)}, rhs '{node.proto.input[1]}' "
+                            f"{_dims(rhs)}")
+    out = list(np_out(node, tuple(lhs[:-2]), tuple(rhs[:-2])))
+    out += ([lhs[-2]] if len(t0[1]) > 1 else []) + ([rhs[-1]] if len(t1[1]) > 1 else [])
+    return [(t0[0], tuple(out))]
+
+
+def _transpose(node: Node) -> list[Typed]:
+    """TransposeBaseOp::setup: ``perm`` (default: reversed) has one entry per input
+    dimension."""
+    (t0,) = node.known(0)
+    perm = list(node.attrs.get("perm", [])) or list(range(len(t0[1])))[::-1]
+    if len(perm) != len(t0[1]):
+        raise PopartRefusal(f"Rank of permutation tensor {_dims(perm)}, rank {len(perm)} must "
+                            f"be equal to rank of input tensor, shape {_dims(t0[1])}, rank "
+                            f"{len(t0[1])}.")
+    return [(t0[0], tuple(t0[1][p] for p in perm))]
+
+
+def _concat(node: Node) -> list[Typed]:
+    """ConcatOp::getOutputShape (concat.cpp): ``axis`` may be negative at every version (ONNX
+    takes one only from Concat-11); the inputs agree but along it."""
+    typed = node.known(*range(len(node.inputs)))
+    rank = len(typed[0][1])
+    axis = int(node.attrs.get("axis", 0))
+    axis += rank if axis < 0 else 0
+    if not 0 <= axis < rank:
+        raise _Unknown  # ONNX's own refusal stands
+    out = list(typed[0][1])
+    out[axis] = 0
+    for i, (_, shape) in enumerate(typed):
+        if len(shape) != rank:
+            raise PopartRefusal(f"Input {i} of {len(typed)} to concat does not have matching "
+                                f"output rank. Input {i} has rank {len(shape)} ({_dims(shape)}) "
+                                f"while the output has rank {rank} ({_dims(out)}).Concat axis "
+                                f"{axis}.")
+        if shape[:axis] != tuple(out[:axis]) or shape[axis + 1:] != tuple(out[axis + 1:]):
+            shapes = "".join("\n" + _dims(t[1]) for t in typed)
+            raise PopartRefusal(f"Input {i} to concat does not have matching shape. In "
+                                f"ConcatOp::getOutputShape, axis = {axis} and shapes : {shapes}")
+        out[axis] += shape[axis]
+    return [(typed[0][0], tuple(out))]
+
+
+def _flatten(node: Node) -> list[Typed]:
+    """flattenOpFactory (reshape.cpp): ``axis`` in [-rank, rank] at every version (ONNX takes a
+    negative one only from Flatten-11); the 2D shape either side of it."""
+    (t0,) = node.known(0)
+    rank = len(t0[1])
+    axis = int(node.attrs.get("axis", 1))
+    axis += rank if axis < 0 else 0
+    if not 0 <= axis <= rank:
+        raise PopartRefusal(f"invalid axis {axis} in flattenOpFactory")
+    return [(t0[0], (int(np.prod(t0[1][:axis], dtype=np.int64)),
+                     int(np.prod(t0[1][axis:], dtype=np.int64))))]
 
 
 def _expand(node: Node) -> list[Typed]:
@@ -220,6 +369,12 @@ SETUP_RULES: dict[str, Rule] = {
     "Expand": _expand,
     "ConstantOfShape": _constant_of_shape,
     "ConvTranspose": _conv_transpose,
+    "Tile": _tile,
+    "Reshape": _reshape,
+    "MatMul": _matmul,
+    "Transpose": _transpose,
+    "Flatten": _flatten,
+    "Concat": _concat,
 }
 
 
@@ -287,8 +442,16 @@ def node_types(node: onnx.NodeProto, version: int, types: Mapping[str, onnx.Type
         if schema.since_version in versions:
             return _as_protos(node, rule(rule_node()))
     inputs = dict(types)
+    rule = SETUP_RULES.get(node.op_type) if not domain else None
     try:
-        return onnx_types(node, version, inputs, data, domain)
+        found = onnx_types(node, version, inputs, data, domain)
+        if rule is None or all(_typed(found.get(name)) is not None
+                               for name in node.output if name):
+            return found
+        try:  # ONNX gave no shape (Concat-4's negative axis): the op's setup gives it
+            return _as_protos(node, rule(rule_node()))
+        except (_Unknown, _NoValue):
+            return found
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
         refused = err
     relaxed = refine(inputs) if refine is not None else None
@@ -297,7 +460,6 @@ def node_types(node: onnx.NodeProto, version: int, types: Mapping[str, onnx.Type
             return onnx_types(node, version, relaxed, data, domain)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
             pass
-    rule = SETUP_RULES.get(node.op_type) if not domain else None
     if rule is not None:
         try:
             return _as_protos(node, rule(rule_node()))
@@ -310,6 +472,55 @@ def node_types(node: onnx.NodeProto, version: int, types: Mapping[str, onnx.Type
     if found and all(_typed(found.get(name)) is not None for name in node.output if name):
         return found
     raise onnx.shape_inference.InferenceError(str(refused)) from None
+
+
+def _batch_norm_setup(node: Node) -> list[Typed | None]:
+    """BatchNormOp::setup (batchnorm.cpp): X of rank 3 or more; scale, B, mean and var of shape
+    [C] (``spatial=0``: X's shape but the first dimension)."""
+    (x,) = node.known(0)
+    if len(x[1]) < 3:
+        raise PopartRefusal(f"batch norm requires X to have a rank >= 3.  x has rank "
+                            f"{len(x[1])}")
+    spatial = int(node.attrs.get("spatial", 1))
+    expected = x[1][1:2] if spatial else x[1][1:]
+    match = "dimension 1" if spatial else "all but the first dimension"
+    for index, name in ((1, "scale"), (2, "B"), (3, "mean"), (4, "var")):
+        (t,) = node.known(index)
+        if tuple(t[1]) != tuple(expected):
+            raise PopartRefusal(f"expected shape of batch norm input tensor {name} "
+                                f"({_dims(t[1])}) to be {_dims(expected)} to match {match} of "
+                                f"X ({_dims(x[1])})")
+    return _batch_norm(node)
+
+
+#: Ops whose setup() refuses inputs ONNX's (or PopART's Builder's) inference types, checked
+#: even where that inference accepts the node: op type -> the setup rule.
+ALWAYS_CHECKED: dict[str, Rule] = {"Transpose": _transpose,
+                                   "BatchNormalization": _batch_norm_setup}
+
+
+def first_setup_refusal(model: onnx.ModelProto) -> str | None:
+    """The first refusal of an op of :data:`ALWAYS_CHECKED` in ``model``'s main graph, its
+    inputs typed by the model's recorded types (a model ONNX's inference accepts); None when
+    none refuses."""
+    graph = model.graph
+    if not any(n.op_type in ALWAYS_CHECKED and n.domain in ("", "ai.onnx") for n in graph.node):
+        return None
+    version = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                   onnx.defs.onnx_opset_version())
+    types = {v.name: _typed(v.type) for v in (*graph.input, *graph.value_info)}
+    types.update({t.name: (t.data_type, tuple(t.dims)) for t in graph.initializer})
+    for node in graph.node:
+        if node.op_type not in ALWAYS_CHECKED or node.domain not in ("", "ai.onnx"):
+            continue
+        rule = Node(node, version, [types.get(t) if t else None for t in node.input], {})
+        try:
+            ALWAYS_CHECKED[node.op_type](rule)
+        except PopartRefusal as refusal:
+            return str(refusal)
+        except _Unknown:
+            pass
+    return None
 
 
 def first_refusal(model: onnx.ModelProto) -> str | None:

@@ -45,7 +45,13 @@ from ._core import (
 )
 from ._devices import DeviceInfo, DeviceManager
 from ._graph_transformer import GraphTransformer
-from ._operators import OperatorIdentifier, getSupportedOperations, getUnsupportedOperations
+from ._operators import (
+    OpDefinition,
+    OperatorIdentifier,
+    getSupportedOperations,
+    getSupportedOperationsDefinition,
+    getUnsupportedOperations,
+)
 from ._optimizers import (
     SGD,
     Adam,
@@ -140,6 +146,7 @@ __all__ = [
     "poplar_unrecoverable_runtime_error", "popart_runtime_error", "popart_internal_exception",
     "getLogger", "versionString", "versionNumber", "packageHash", "initializePoplarDebugInfo",
     "closePoplarDebugInfo", "OperatorIdentifier", "getSupportedOperations",
+    "getSupportedOperationsDefinition", "OpDefinition",
     "getUnsupportedOperations", "GraphTransformer", "VariableSettings", *ENUMS, *STRUCTS,
     *PREFIX_FUNCTIONS,
 ]

@@ -60,6 +60,7 @@ from .ops import (
     node_partials,
     np_dtype,
     partials,
+    popart_constant_text,
     read_attributes,
 )
 from .ops_custom import custom_entry
@@ -524,7 +525,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
     inputs take the types of what the node passes, and which may read the enclosing graph's
     tensors."""
     problems: list[str] = []
-    refused: list[str | None] = []  # PopART's own words for each problem, where it has them
+    refused: dict[int, str | None] = {}  # PopART's own words for a problem (by its index)
 
     initializers: dict[str, np.ndarray] = {}
     for tensor in graph.initializer:
@@ -621,6 +622,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
             name = node.input[i]
             hint = (" (a graph input: give its value in lower(..., static_inputs={...}) or "
                     "make it an initializer)" if name in inputs else "")
+            refused[len(problems)] = popart_constant_text(node.op_type, opset, i, name)
             problems.append(f"{where}: input {i} ({name!r}) must be a compile-time constant - "
                             f"an initializer, a Constant or computed from shapes{hint}")
         is_static = not (entry.random or draws_random(node)) and (entry.shape_only or all(
@@ -634,7 +636,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
                 entry.check(ctx.with_values(values))
         except NotSupported as err:
             problems.append(f"{where}: {err}")
-            refused.append(getattr(err, "popart_text", None))
+            refused[len(problems) - 1] = getattr(err, "popart_text", None)
             continue
         if is_static and not bad and all(v is not UNKNOWN for v in values):
             try:
@@ -661,8 +663,8 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
                             f"input")
     if problems:
         failed = UnsupportedModel(problems)
-        if len(refused) == len(problems) and all(refused):
-            failed.popart_text = "\n".join(refused)  # popart_kit.popart raises PopART's text
+        if refused.get(0):  # popart_kit.popart raises PopART's text, for the first as PopART
+            failed.popart_text = refused[0]
         raise failed
     weights = {k: v for k, v in initializers.items() if k not in constants}
     raise_errors("model", narrowing_problems("weights", weights), error=InvalidModel)

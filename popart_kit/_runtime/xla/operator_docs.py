@@ -150,12 +150,12 @@ DEPARTURES: dict[str, tuple[Departure, ...]] = {
                   _left("ONNX conformance (test_round) holds the half-to-even rule; the "
                         "ai.graphcore Round rounds halves away from zero")),),
     "ai.onnx.Pow": (
-        Departure("base gradient y x^(y-1) as written (PowArg0GradOp pattern): NaN at x = 0, "
-                  "y = 0, where autodiff gives 0", "patterns/powarg0gradoppattern.cpp:43",
-                  _left("a single point; autodiff's value kept")),
-        Departure("exponent gradient where(x == 0 and y >= 0, 0, x^y log x): -inf at x = 0, "
-                  "y < 0, where autodiff gives NaN", "patterns/powarg1gradoppattern.cpp:34",
-                  _left("a single point; autodiff's value kept"))),
+        Departure("base gradient where(y == 0, 0, g y x^(y-1)) (PowArg0GradOp pattern), "
+                  "computed as written at every point", "patterns/powarg0gradoppattern.cpp:22"),
+        Departure("exponent gradient g where(x == 0 and y >= 0 and y not NaN, 0, x^y log x): "
+                  "-inf at x = 0, y < 0, where autodiff gives NaN",
+                  "patterns/powarg1gradoppattern.cpp:20")),
+
     "ai.onnx.CumSum": (
         Departure("a matrix product with a triangular 0/1 matrix: an inf or NaN anywhere "
                   "along the axis turns every earlier output into NaN (0 * inf); float16 "
@@ -264,7 +264,8 @@ AGREES: dict[str, str] = {
     "ai.onnx.AveragePool": "popx/op/poolx.cpp:112 (popnn pooling), grad poolx.cpp:151",
     "ai.onnx.BatchNormalization": "popx/op/batchnormx.cpp:183-282 (popnn batchnorm; "
                                   "running mean/var with ONNX's momentum, biased variance: "
-                                  "unbiased_variance is ai.graphcore's only, line 218)",
+                                  "unbiased_variance is ai.graphcore's only, line 218; "
+                                  "spatial=0 as X reshaped to [N, C*D1*...*Dn, 1], line 110)",
     "ai.onnx.Ceil": "popx/op/ceilx.cpp:37; zero gradient",
     "ai.onnx.Concat": "popx/op/concatx.cpp (data movement)",
     "ai.onnx.Constant": "ces/onnxconstexpr.cpp:36 (folded on the host)",

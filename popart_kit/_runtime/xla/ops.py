@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import onnx
 from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
+from ..._model.popart_types import tensor_data_text
 from ...errors import ModelError
 
 __all__ = ["GRAPHCORE", "OPS", "SOFTMAX_AXIS", "UNKNOWN", "Ctx", "NotSupported", "Op",
@@ -166,6 +168,27 @@ class Op:
 
 
 OPS: dict[tuple[str, str], Op] = {}
+
+#: ai.onnx inputs whose value PopART's op reads when the IR is built (Op::getInTensorData):
+#: op type -> {input position: the name PopART's message gives it}.
+_POPART_DATA_INPUTS = {"Slice": {1: "starts", 2: "ends", 3: "axes", 4: "steps"},
+                       "Reshape": {1: "shape"}, "Expand": {1: "shape"}}
+
+
+def popart_constant_text(op_type: str, opset: int, index: int, tensor: str) -> str | None:
+    """PopART's refusal of an ai.onnx op whose input ``index`` (``tensor``) has no constant
+    value (tile.cpp, slice.cpp, reshape.cpp, expand.cpp connectInTensor); None where PopART has
+    no such refusal."""
+    if op_type == "Tile" and index == 1:
+        return f"The 'Repeats' Tensor `{tensor}' must be of type Constant"
+    what = _POPART_DATA_INPUTS.get(op_type, {}).get(index)
+    if what is None:
+        return None
+    try:
+        since = onnx.defs.get_schema(op_type, opset, "").since_version
+    except onnx.defs.SchemaError:
+        since = opset
+    return tensor_data_text(f"ai.onnx.{op_type}:{since}", what, tensor)
 
 
 def op(*names: str, domain: str = "", check: Callable[[Ctx], None] | None = None,
@@ -501,14 +524,42 @@ def _div(a: Any, b: Any) -> Any:
     return jnp.divide(a, b)
 
 
+@jax.custom_vjp
+def _float_pow(x: Any, y: Any) -> Any:
+    """``x ** y`` of one shape and float type, with PopART's gradients
+    (patterns/powarg0gradoppattern.cpp, powarg1gradoppattern.cpp): for the base,
+    ``g * y * x ** (y - 1)``, 0 where ``y == 0``; for the exponent, ``g * out * log(x)``, 0
+    where ``x == 0`` and ``y >= 0`` (not NaN)."""
+    return jnp.power(x, y)
+
+
+def _float_pow_fwd(x: Any, y: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+    out = jnp.power(x, y)
+    return out, (x, y, out)
+
+
+def _float_pow_bwd(saved: tuple[Any, Any, Any], g: Any) -> tuple[Any, Any]:
+    x, y, out = saved
+    zero = jnp.zeros((), x.dtype)
+    dx = jnp.where(y == 0, zero, g * (y * jnp.power(x, y - 1)))
+    y_nonnegative = ~((y < 0) | jnp.isnan(y))
+    dy = g * jnp.where((x == 0) & y_nonnegative, zero, out * jnp.log(x))
+    return dx, dy
+
+
+_float_pow.defvjp(_float_pow_fwd, _float_pow_bwd)
+
+
 def _pow(x: Any, y: Any) -> Any:
-    """Pow keeps the base's type, whatever the exponent's."""
-    if x.dtype == y.dtype:
-        return jnp.power(x, y)
+    """Pow keeps the base's type, whatever the exponent's; float powers have PopART's
+    gradients (:func:`_float_pow`)."""
     if jnp.issubdtype(x.dtype, jnp.integer) and jnp.issubdtype(y.dtype, jnp.integer):
         return jnp.power(x, y.astype(x.dtype))
-    wide = jnp.promote_types(jnp.promote_types(x.dtype, y.dtype), jnp.float32)
-    return jnp.power(x.astype(wide), y.astype(wide)).astype(x.dtype)
+    dtype = x.dtype
+    wide = dtype if dtype == y.dtype else jnp.promote_types(
+        jnp.promote_types(dtype, y.dtype), jnp.float32)
+    x, y = jnp.broadcast_arrays(x.astype(wide), y.astype(wide))
+    return _float_pow(x, y).astype(dtype)
 
 
 def _mul(a: Any, b: Any) -> Any:
@@ -1406,11 +1457,6 @@ def lrn(ctx: Ctx, x: Any) -> Any:
 
 # -- normalisation ------------------------------------------------------------------------------
 
-def _check_batch_norm(ctx: Ctx) -> None:
-    if ctx.opset < 9 and ctx.attr("spatial", 1) != 1:
-        _refuse("spatial", ctx.attr("spatial"), (1,))
-
-
 def _batch_norm_training(ctx: Ctx) -> bool:
     if ctx.opset >= 14:
         return bool(ctx.attr("training_mode", 0))
@@ -1419,8 +1465,22 @@ def _batch_norm_training(ctx: Ctx) -> bool:
     return any(ctx.wants(i) for i in range(1, len(ctx.outputs)))
 
 
-@op("BatchNormalization", check=_check_batch_norm)
+@op("BatchNormalization")
 def batch_norm(ctx: Ctx, x: Any, scale: Any, bias: Any, mean: Any, var: Any) -> Any:
+    """ONNX's BatchNormalization as PopART computes it (batchnormx.cpp). ``spatial=0``
+    (opsets before 9) normalises each element of a sample over the batch: scale, B, mean and
+    var have X's shape but the first dimension, and X is normalised as ``[N, C*D1*...*Dn, 1]``
+    with spatial statistics."""
+    if ctx.opset < 9 and not ctx.attr("spatial", 1):
+        features = math.prod(x.shape[1:])
+        outs = _batch_norm_spatial(ctx, x.reshape(x.shape[0], features, 1),
+                                   *(t.reshape(features) for t in (scale, bias, mean, var)))
+        return (outs[0].reshape(x.shape), *(t.reshape(scale.shape) for t in outs[1:]))
+    return _batch_norm_spatial(ctx, x, scale, bias, mean, var)
+
+
+def _batch_norm_spatial(ctx: Ctx, x: Any, scale: Any, bias: Any, mean: Any, var: Any
+                        ) -> tuple[Any, ...]:
     eps = ctx.attr("epsilon", 1e-5)
     shape = (1, -1) + (1,) * (x.ndim - 2)
 
