@@ -119,6 +119,23 @@ def test_conv_transpose_matches_onnxruntime(case):
                                atol=2e-5)
 
 
+@pytest.mark.parametrize(("auto_pad", "rows"), [("SAME_UPPER", slice(1, 3)),
+                                                ("SAME_LOWER", slice(0, 2))])
+def test_conv_transpose_same_pads_with_output_shape_as_popart(auto_pad, rows):
+    """convtranspose.cpp: with output_shape, the odd padding's larger half is cut from the
+    start for SAME_UPPER, from the end for SAME_LOWER (the full 3x3 result, cropped)."""
+    x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]], np.float32)
+    w = np.array([[[[1.0, 2.0], [2.0, 1.0]]]], np.float32)
+    full = run_kit(conv_model(x.shape, w.shape, op="ConvTranspose"), {"x": x, "w": w})
+    model = conv_model(x.shape, w.shape, op="ConvTranspose", auto_pad=auto_pad,
+                       output_shape=[2, 2])
+    np.testing.assert_array_equal(run_kit(model, {"x": x, "w": w}),
+                                  full[..., rows, rows])
+    if auto_pad == "SAME_UPPER":  # PopART's operators_test_2 expectation
+        np.testing.assert_array_equal(run_kit(model, {"x": x, "w": w})[0, 0],
+                                      [[15.0, 10.0], [11.0, 4.0]])
+
+
 @pytest.mark.parametrize(("case", "kind"), [
     ("dense strided dilated", None), ("dense strided dilated", "float"),
     ("dense strided dilated", "half"), ("grouped", "float"), ("depthwise", "half"),

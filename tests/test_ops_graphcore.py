@@ -472,7 +472,7 @@ def test_tensorremap_passes_values_and_gradient_through():
     np.testing.assert_array_equal(grads(b, {out: weight}, {"x": data}, ["x"])["x"], weight)
 
 
-def test_copyvarupdate_is_checked_by_the_builder_and_refused_by_the_xla_backend():
+def test_copyvarupdate_is_checked_by_the_builder_and_refused_in_inference():
     b = popart.Builder()
     w = b.addInitializedInputTensor(np.zeros(2, np.float32))
     (x,) = inputs(b, x=unique(2))
@@ -482,7 +482,39 @@ def test_copyvarupdate_is_checked_by_the_builder_and_refused_by_the_xla_backend(
         b.aiGraphcore.copyvarupdate([x, w])
     out = b.aiGraphcore.copyvarupdate([w, x])
     assert b.getTensorShape(out) == [2]
-    refused(b, "does not write weights")
+    flow = popart.DataFlow(1, {out: popart.AnchorReturnType("All")})
+    with pytest.raises(popart.popart_exception, match="only in a training session"):
+        popart.InferenceSession(b.getModelProto(), flow,
+                                popart.DeviceManager().createCpuDevice())
+
+
+def test_copyvarupdate_writes_the_weight_after_each_micro_batch_in_training():
+    """A counter weight + 1 copied over itself (PopART's copy_var_update_test): each
+    micro-batch reads the previous one's copy (accumulation 2, 2 batches per step: 4 per
+    run), the counter gets no gradient update, and readWeights returns it."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]), "x")
+    w = b.addInitializedInputTensor(np.ones(2, np.float32), "w")
+    counter = b.addInitializedInputTensor(np.zeros(1, np.float32), "counter")
+    added = b.aiOnnx.add([counter, b.aiOnnx.constant(np.ones(1, np.float32))])
+    b.aiGraphcore.copyvarupdate([counter, added])
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([x, w])], 0.1)
+    opts = popart.SessionOptions()
+    opts.enableGradientAccumulation, opts.accumulationFactor = True, 2
+    session = popart.TrainingSession(
+        b.getModelProto(), popart.DataFlow(2, {added: popart.AnchorReturnType("All")}), loss,
+        popart.SGD({"defaultLearningRate": (0.1, False), "defaultWeightDecay": (0.5, False)}),
+        popart.DeviceManager().createCpuDevice(), userOptions=opts)
+    session.prepareDevice()
+    session.weightsFromHost()
+    anchors = session.initAnchorArrays()
+    for run in range(2):
+        session.run(popart.PyStepIO({x: unique(2, 2, 2)}, anchors))
+        np.testing.assert_array_equal(anchors[added].reshape(-1), np.arange(1, 5) + 4 * run)
+    out = {"counter": np.zeros(1, np.float32)}
+    session.weightsToHost()
+    session.readWeights(popart.PyWeightsIO(out))
+    assert out["counter"].tolist() == [8.0]
 
 
 def test_abort_has_no_output_and_is_refused_by_the_xla_backend():

@@ -3,6 +3,7 @@ checked as equivalences between configurations that must give the same weights."
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -501,3 +502,73 @@ def test_a_loss_of_one_element_of_any_rank_trains_as_in_popart():
         sess.run({x: np.ones((1, 1, 2, 2), np.float32)})
         results.append(next(iter(sess.weights().values())))
     np.testing.assert_allclose(results[0], results[1])  # sum(|x*w|) = sum(x*w) here
+
+
+def _stage(builder, index):
+    """Builder scopes putting what is built on pipeline stage and virtual graph ``index``."""
+    scopes = contextlib.ExitStack()
+    scopes.enter_context(builder.virtualGraph(index))
+    scopes.enter_context(builder.pipelineStage(index))
+    return scopes
+
+
+@pytest.mark.parametrize("replicas,accumulation,form", [
+    (1, 1, "plain"), (2, 2, "plain"), (1, 2, "conv"), (1, 3, "pipelined")])
+def test_batchnorm_running_statistics_advance_as_popart(replicas, accumulation, form):
+    """A training BatchNormalization's running mean and var are copied over their weights
+    after each micro-batch (PopART's CopyVarUpdate): running = running * momentum + batch *
+    (1 - momentum), from replica 0's batch; readWeights returns them, and they get no
+    gradient update. ``form``: "conv" puts a Conv first (chunks driven from the host on CPU),
+    "pipelined" puts the loss on a second pipeline stage."""
+    import popart_kit.popart as popart
+    rng = np.random.default_rng(3)
+    bps, momentum, shape = 2, 0.8, (2, 3, 2, 2)
+    mean0, var0 = rng.standard_normal(3).astype(np.float32), np.ones(3, np.float32) * 2
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", list(shape)), "x")
+    ids = [b.addInitializedInputTensor(v, n) for n, v in (
+        ("scale", np.ones(3, np.float32)), ("bias", np.zeros(3, np.float32)),
+        ("mean", mean0), ("var", var0))]
+    h = x
+    if form == "conv":  # the identity as a 1x1 convolution
+        h = b.aiOnnx.conv([x, b.aiOnnx.constant(np.eye(3, dtype=np.float32).reshape(
+            3, 3, 1, 1))])
+    pipelined = form == "pipelined"
+
+    def stage(index):
+        return contextlib.ExitStack() if not pipelined else _stage(b, index)
+
+    with stage(0):
+        outs = b.aiOnnx.batchnormalization([h, *ids], 5, momentum=momentum)
+    with stage(1):
+        loss = b.aiGraphcore.l1loss([outs[0]], 0.1)
+    opts = popart.SessionOptions()
+    if pipelined:
+        opts.enablePipelining, opts.virtualGraphMode = True, popart.VirtualGraphMode.Manual
+    if accumulation > 1:
+        opts.enableGradientAccumulation, opts.accumulationFactor = True, accumulation
+    if replicas > 1:
+        opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, replicas
+    device = (popart.DeviceManager().acquireAvailableDevice(replicas) if replicas > 1
+              else popart.DeviceManager().createCpuDevice())
+    session = popart.TrainingSession(
+        fnModel=b.getModelProto(), dataFlow=popart.DataFlow(bps, {loss: popart.AnchorReturnType(
+            "All")}), loss=loss, optimizer=popart.SGD({"defaultLearningRate": (0.1, False),
+                                                       "defaultWeightDecay": (0.5, False)}),
+        deviceInfo=device, userOptions=opts)
+    session.prepareDevice()
+    session.weightsFromHost()
+    data = rng.standard_normal((bps, accumulation, replicas, *shape)).astype(np.float32)
+    feed = data.reshape((bps, *(n for n in (accumulation, replicas) if n > 1), *shape))
+    session.run(popart.PyStepIO({x: feed}, session.initAnchorArrays()))
+    mean, var = mean0.astype(np.float64), var0.astype(np.float64)
+    for step in range(bps):
+        for micro in range(accumulation):
+            batch = data[step, micro, 0].astype(np.float64)
+            mean = mean * momentum + batch.mean(axis=(0, 2, 3)) * (1 - momentum)
+            var = var * momentum + batch.var(axis=(0, 2, 3)) * (1 - momentum)
+    out = {"mean": np.zeros(3, np.float32), "var": np.zeros(3, np.float32)}
+    session.weightsToHost()
+    session.readWeights(popart.PyWeightsIO(out))
+    np.testing.assert_allclose(out["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["var"], var, rtol=1e-5, atol=1e-6)

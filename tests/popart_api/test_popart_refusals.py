@@ -394,3 +394,26 @@ def test_virtual_graph_annotations_popart_refuses():
     assert err.value.args[0] == (
         f"Op(ai.onnx.Add:7, inputs=[{o1}_c10, {o2}_c10], outputs=[{o}]) has been assigned "
         f"to an invalid virtual graph 10. numIPUs = 3.")
+
+
+@pytest.mark.parametrize("domain", ["aiOnnx", "aiGraphcore"])
+def test_an_inference_batch_norm_on_the_loss_path_is_refused_unless_detached(domain):
+    """batchnorm.cpp BatchNormGradOp: a one-output (inference-mode) BatchNormalization on the
+    loss's path is refused in training; detached, it trains what precedes nothing."""
+    def build(detach):
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 2, 2, 2]), "x")
+        w = b.addInitializedInputTensor(np.ones((2, 2, 2, 2), np.float32), "w")
+        ids = [b.addInitializedInputTensor(np.full(2, i + 1.0, np.float32)) for i in range(4)]
+        (y,) = getattr(b, domain).batchnormalization([x, *ids], 1)
+        if detach:
+            y = b.aiGraphcore.detach([y])
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.add([y, w])], 0.1)
+        return b, loss
+
+    b, loss = build(detach=False)
+    text = _refusal(b, [loss], loss=loss)
+    assert text is not None and "it has to be detached first." in text
+    assert "has 1 output(s) which means it is in inference mode" in text
+    b, loss = build(detach=True)
+    assert _refusal(b, [loss], loss=loss) is None

@@ -193,7 +193,7 @@ class HostDrivenExecutor:
     def _init(self, state: SessionState) -> Any:
         work = self.step.work()
         if self.step.training:
-            work["grads"] = {n: jnp.zeros(g.shape, g.dtype) for n, g in self._grads.items()}
+            work["grads"] = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), self._grads)
         return work
 
     def _chunk(self, state: SessionState, work: Any, hyper: Any, inputs: Any, update: Any,

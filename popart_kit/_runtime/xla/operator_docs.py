@@ -403,6 +403,10 @@ AGREES: dict[str, str] = {
     "ai.graphcore.Subsample": "popx/op/subsamplex.cpp",
     "ai.graphcore.Swish": "popx/op/swishx.cpp:49, 72 (popnn SWISH, x sigmoid(x))",
     "ai.graphcore.TensorRemap": "popx/op/tensorremapx.cpp (a layout change only)",
+    "ai.graphcore.CopyVarUpdate": "op/copyvarupdate.cpp; transforms/mainloops.cpp (in a "
+                                  "training session the updater is copied over the weight "
+                                  "after each micro-batch, as a training BatchNormalization's "
+                                  "running statistics are; an inference session refuses it)",
     "ai.graphcore.PackedDataBlock": "op/packeddatablock.cpp; patterns/packeddatablockpattern"
                                     ".cpp (unpack, callback per batch, pack into zeros)",
 }
@@ -420,8 +424,6 @@ for _name in ("L1", "L2", "LogSum", "LogSumExp", "Max", "Mean", "Min", "Prod", "
 
 #: Operators the table holds only to refuse them, with the reason.
 REFUSED: dict[str, str] = {
-    "ai.graphcore.CopyVarUpdate": "writes a weight from inside the graph, which a compiled "
-                                  "step cannot do.",
     "ai.graphcore.Abort": "stops the program from inside the graph; a compiled step cannot.",
 }
 

@@ -251,9 +251,12 @@ def conv_transpose(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
     auto_pad, wanted = ctx.attr("auto_pad", "NOTSET"), ctx.attr("output_shape")
     wanted = list(wanted)[-n:] if wanted else None
     if auto_pad in ("SAME_UPPER", "SAME_LOWER") and not ctx.attr("pads"):
+        # with output_shape given, PopART (convtranspose.cpp) puts the larger half at the
+        # start for SAME_UPPER and at the end for SAME_LOWER, the reverse of ONNX's text;
+        # without it, ONNX's rule (ONNX's conformance cases)
+        upper = (auto_pad == "SAME_UPPER") != bool(wanted)
         wanted = wanted or [i * s for i, s in zip(size, strides, strict=True)]
         totals = [f - o for f, o in zip(full, wanted, strict=True)]
-        upper = auto_pad == "SAME_UPPER"
         pads = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
     else:
         flat = list(ctx.attr("pads") or [0] * 2 * n) if auto_pad == "NOTSET" else [0] * 2 * n

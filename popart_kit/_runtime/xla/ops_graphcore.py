@@ -322,16 +322,12 @@ def tensor_remap(ctx: Ctx, x: Any, ref: Any = None) -> Any:
     return x
 
 
-def _refuse_copy_var_update(ctx: Ctx) -> None:
-    raise NotSupported("CopyVarUpdate overwrites its first input (a weight) with its second "
-                       "after every step; the xla backend does not write weights from inside "
-                       "the graph. Feed the value as an input, or run on the popart backend.")
-
-
-@op("CopyVarUpdate", check=_refuse_copy_var_update)
+@op("CopyVarUpdate")
 def copy_var_update(ctx: Ctx, variable: Any, updater: Any) -> Any:
-    """The updated variable's value: the updater (its write to the weight is refused)."""
-    return updater
+    """The updated variable's value: the updater, with no gradient. A training session
+    copies it over the weight after each micro-batch (``XlaTrainingBackend.copy_updates``);
+    an inference session refuses the op (``XlaBackend._setup_training``)."""
+    return lax.stop_gradient(updater)
 
 
 def _refuse_abort(ctx: Ctx) -> None:

@@ -44,7 +44,7 @@ from .grouped import (
 )
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
-from .ops import partials
+from .ops import UnsupportedModel, partials
 from .ops_graphcore_nn import group_norm_channels
 from .ops_random import RANDOM_STREAM, random_scope, uses_random
 from .pipeline import WORKERS, PipelineExecutor, PipelineFacts, pipeline_for
@@ -136,7 +136,16 @@ class XlaBackend:
         return self.micro_batches // self.chunk
 
     def _setup_training(self) -> None:
-        """What a training backend checks and sets up before its executor is chosen."""
+        """What a training backend checks and sets up before its executor is chosen; an
+        inference session refuses CopyVarUpdate (only a training step writes weights)."""
+        copies = [n for n in self.model.graph.node
+                  if n.op_type == "CopyVarUpdate" and n.domain == "ai.graphcore"]
+        if copies:
+            raise UnsupportedModel([
+                f"{n.name or n.output[0]} (CopyVarUpdate): it overwrites its first input (a "
+                f"weight) with its second after each micro-batch, which the xla backend does "
+                f"only in a training session. Fix: run it in a TrainingSession, or feed the "
+                f"value as an input." for n in copies])
 
     def _make_executor(self, workers: str) -> Executor:
         """The pipeline where the model is pipelined and can be split (else the backend says

@@ -22,6 +22,7 @@ the speed of larger matrix products for memory (``benchmarks/runtime_bench.py``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import SimpleNamespace
@@ -43,12 +44,15 @@ from .grouped import RULE as GROUPED_RULE
 from .grouped import group_divisors, optimizer_problems, replica_rows
 from .host_exchange import min_over_instances
 from .lowering import recomputation
+from .ops import UnsupportedModel
 from .ops_random import draws_random
 from .pipeline import PipelineExecutor
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags, reduce_gradients
 
 __all__ = ["XlaTrainingBackend"]
+
+COPIED = "copied"  # the gradients' entry of the copy updates' new values (see copy_updates)
 
 #: PopART's compound scalars of an SGD weight (compoundscalarhelper.hpp/.cpp), anchorable by
 #: name, by the weight's update (SGD::getOptimizerInputs): SGD0 without a velocity, SGD1 with one
@@ -121,9 +125,11 @@ class XlaTrainingBackend(XlaBackend):
             problems.append(Problem(("loss",), f"loss {loss!r} is not a tensor of the model.",
                                     "pass the id the loss op returned.", "K-loss-unknown"))
         raise_errors("TrainingSession", problems)
+        self._refuse_inference_batch_norms(loss)
         found = self._shapes(self.io.inputs, [loss])[loss]
         shape, self.loss_dtype = found.shape, np.dtype(found.dtype)
-        self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)]
+        self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)
+                        and w not in self.copy_updates]
         if self.als is not None:
             self._setup_loss_scaling()
         problems = [Problem(("anchors", a), f"anchor {a!r}: the loss scale is "
@@ -313,9 +319,16 @@ class XlaTrainingBackend(XlaBackend):
         """A weight update; with automatic loss scaling, the optimizer divides the step's
         loss scale out and the factor moves (on the steps that count) by the step's counts,
         summed over every replica."""
+        grads = dict(grads)
+        copied = grads.pop(COPIED, None)
+        if copied:  # replica 0's values (zeros elsewhere): summed over the replicas
+            copied = reduce_gradients(copied, Reduction(self.reduction.axes,
+                                                        self.reduction.flat))
+            new = self._apply(state, grads, hyper)
+            return replace(new, weights={**new.weights, **{
+                n: v.astype(new.weights[n].dtype) for n, v in copied.items()}})
         if self.als is None:
             return apply_update(state, grads, hyper, self.optimizer, self.reduction)
-        grads = dict(grads)
         counts = grads.pop(als.STATISTICS)
         new = apply_update(state, grads, self._scaled(hyper, state), self.optimizer,
                            self.reduction)
@@ -327,17 +340,20 @@ class XlaTrainingBackend(XlaBackend):
                                               moved, factor))
 
     def _make_executor(self, workers: str) -> Executor:
-        """With automatic loss scaling, a pipelined session runs its stages one after the
-        other (PopART takes it only with gradient accumulation, which flushes the pipeline
-        before each update: the same numbers); the pipeline executor does not count
-        gradients nor agree on the factor between its stages."""
-        if self.als is None or not self.config.pipeline.enabled:
+        """With automatic loss scaling or :attr:`copy_updates`, a pipelined session runs its
+        stages one after the other (PopART takes it only with gradient accumulation, which
+        flushes the pipeline before each update: the same numbers); the pipeline executor does
+        not count gradients, agree on the factor between its stages nor copy weights."""
+        if (self.als is None and not self.copy_updates) or not self.config.pipeline.enabled:
             executor = super()._make_executor(workers)
             if isinstance(executor, PipelineExecutor) and self._run_constants(None):
                 executor.run = self._with_run_constants(executor.run)  # type: ignore[method-assign]
             return executor
-        self.unpipelined_because = ("automatic loss scaling is on, which the pipeline "
-                                    "executor does not implement")
+        self.unpipelined_because = (
+            "automatic loss scaling is on, which the pipeline executor does not implement"
+            if self.als is not None else "the model copies tensors over weights after each "
+            "micro-batch (a training BatchNormalization's running statistics), which the "
+            "pipeline executor does not implement")
         warn(f"pipelining on the xla backend: {self.unpipelined_because}; running the stages "
              f"one after the other on one device (same numerics).")
         return (HostDrivenExecutor if self.on_host else LoopedExecutor)(
@@ -411,6 +427,36 @@ class XlaTrainingBackend(XlaBackend):
                                    "activation.", "K-gradient-constant"))
         return out
 
+    def _refuse_inference_batch_norms(self, loss: str) -> None:
+        """PopART refuses to differentiate a BatchNormalization with one output (inference
+        mode) on the loss's path (batchnorm.cpp, BatchNormGradOp): it must be detached (a
+        Detach on its output stops the path) or given its five training outputs."""
+        producer = {o: n for n in self.model.graph.node for o in n.output}
+        seen, todo, found = set(), [loss], []
+        while todo:
+            tensor = todo.pop()
+            node = producer.get(tensor)
+            if tensor in seen or node is None or node.op_type == "Detach":
+                continue
+            seen.add(tensor)
+            if node.op_type == "BatchNormalization" and node.domain in (
+                    "", "ai.onnx", "ai.graphcore") and len([o for o in node.output if o]) == 1:
+                found.append(node)
+            todo += node_reads(node)
+        if found:
+            node = found[0]
+            text = (f"BatchNorm Op \"{node.name or node.output[0]}\" has 1 output(s) which "
+                    f"means it is in inference mode, but its gradient Op is being created. To "
+                    f"use the BatchNorm Op in inference mode during training, it has to be "
+                    f"detached first.")
+            failed = UnsupportedModel([
+                f"{n.name or n.output[0]} (BatchNormalization): one output (inference mode) on "
+                f"the path to loss {loss!r}: PopART refuses its gradient. Fix: give it its five "
+                f"training outputs (GraphTransformer.prepareNodesForTraining), or detach its "
+                f"output (aiGraphcore.detach)." for n in found])
+            failed.popart_text = text
+            raise failed
+
     def _integer_loss(self) -> bool:
         """Whether the loss is an integer tensor (the whole backward pass then is too)."""
         loss = self.loss
@@ -437,7 +483,36 @@ class XlaTrainingBackend(XlaBackend):
     # -- chunks and updates -------------------------------------------------------------------
 
     def _chunk_limit(self) -> int:
-        return self.shape.accumulation  # a chunk never crosses a weight update
+        # a chunk never crosses a weight update; with copy updates (written after each
+        # micro-batch, read by the next), a chunk is one micro-batch
+        return 1 if self.copy_updates else self.shape.accumulation
+
+    @functools.cached_property
+    def copy_updates(self) -> dict[str, str]:
+        """{weight: tensor}: the weights PopART updates by copying a tensor over them after
+        each micro-batch (a CopyVarUpdate, in the accumulation loop: mainloops.cpp): the
+        updater of an ai.graphcore CopyVarUpdate, and a training BatchNormalization's (one
+        with more than one output) running mean and var, inputs 3 and 4 (through a Detach),
+        from its outputs 1 and 2 (batchnorm.cpp's setup).
+        Such a weight gets no gradient update; with replication, replica 0's copy is kept
+        (PopART's replicas each keep their own; the host reads replica 0's)."""
+        producer = {o: n for n in self.model.graph.node for o in n.output}
+        out: dict[str, str] = {}
+        for node in self.model.graph.node:
+            if node.op_type == "CopyVarUpdate" and node.domain == "ai.graphcore" \
+                    and node.input[0] in self.graph.weights:
+                out[node.input[0]] = node.input[1]
+            if node.op_type != "BatchNormalization" or node.domain not in (
+                    "", "ai.onnx", "ai.graphcore") or len(node.output) < 2:
+                continue
+            for i in (3, 4):
+                source = node.input[i] if len(node.input) > i else ""
+                if source in producer and producer[source].op_type == "Detach":
+                    source = producer[source].input[0]
+                if source in self.graph.weights and len(node.output) > i - 2 \
+                        and node.output[i - 2]:
+                    out[source] = node.output[i - 2]
+        return out
 
     def _activation_bytes(self, inputs: Any) -> int:
         return 2 * super()._activation_bytes(inputs)  # the backward pass keeps as much again
@@ -449,6 +524,9 @@ class XlaTrainingBackend(XlaBackend):
                 "losses_finite": jnp.ones((self.shape.batches_per_step,), bool)}
         if als.STATISTICS in self.anchors:  # the update's counts so far, per replica
             work["statistics"] = jnp.zeros((self.placement.per_device, 2), jnp.float32)
+        if self.copy_updates and self.shape.accumulation > 1:  # copied since the update
+            work[COPIED] = {n: jnp.zeros(np.shape(self.graph.weights[n]),
+                                         self.graph.weights[n].dtype) for n in self.copy_updates}
         return work
 
     def _step_functions(self) -> StepFunctions:
@@ -490,13 +568,16 @@ class XlaTrainingBackend(XlaBackend):
                      update: Any, index: Any) -> tuple[dict[str, jax.Array], Any]:
         """The gradient of chunk ``index`` of update ``update`` (summed over its micro-batches
         and this device's replicas), with its anchors written into ``work``."""
-        weights = state.weights
+        weights, copies = state.weights, self.copy_updates
+        if COPIED in work:  # a later micro-batch of the update reads the earlier one's copy
+            weights = {**weights, **{n: jnp.where(index == 0, weights[n], work[COPIED][n])
+                                     for n in copies}}
         start = update * self.shape.accumulation + index * self.chunk
         gradients, extra, tracking = self.gradient_anchors, self._extra_anchors(), self.tracking
         wanted = list(dict.fromkeys([self.loss, *(self._anchor_tensor(a) for a in self.anchors
                                                  if a not in gradients and a not in extra),
                                      *(i for i in (tracking.inputs if tracking else ())
-                                       if i not in self.graph.known)]))
+                                       if i not in self.graph.known), *copies.values()]))
         lead = (self.chunk, self.placement.per_device)
         # an integer tensor's probe is float32: what it feeds is then computed in float32,
         # its gradient cast back to the integer anchor (PopART backpropagates integers)
@@ -537,6 +618,15 @@ class XlaTrainingBackend(XlaBackend):
             if "statistics" in work:  # PopART's accumulator: the update's counts so far
                 so_far = jnp.where(index == 0, 0, work["statistics"]) + jnp.cumsum(counts, 0)
                 values[als.STATISTICS], out["statistics"] = so_far, so_far[-1]
+        if copies:  # replica 0's (the device's first, on the first device), as a gradient:
+            # zeros but in the update's last chunk, so that summing the chunks keeps it
+            first = (index == self.shape.accumulation // self.chunk - 1) & (
+                jax.lax.axis_index(self.placement.axes) == 0 if self.placement.several
+                else True)
+            new = {n: jax.lax.stop_gradient(values[t][-1, 0]) for n, t in copies.items()}
+            grads[COPIED] = {n: jnp.where(first, v, jnp.zeros_like(v)) for n, v in new.items()}
+            if COPIED in out:
+                out[COPIED] = {n: v.astype(weights[n].dtype) for n, v in new.items()}
         after = self._post_update_anchors()  # written by _after_update
         out["buffers"] = self.buffers.write(work["buffers"], {
             n: values[n if n in gradients else self._anchor_tensor(n)] for n in self.anchors
