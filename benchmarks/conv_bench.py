@@ -7,16 +7,20 @@ Each row is one ONNX model, Conv + Relu (weights as initializers, the input fed)
 interleaved in one process (medians of --repeat, after a warm-up):
 
 * forward: onnxruntime's ``run``, the kit's ``InferenceSession.run`` at bps 1, the raw lowered
-  op (``jax.jit`` of the lowered graph, no session around it), the same with onnxruntime's MLAS
-  kept out (``xla``: :func:`~popart_kit._runtime.xla.ops_conv.xla_lowering_for`'s lowering,
-  what 24ef92a ran), with MLAS forced (``mlas``, whether chosen or not: what the choice of
+  op (``jax.jit`` of the lowered graph, no session around it), the same with the lowering's
+  fusions off (``apart``: the Conv and its Relu run apart, the Relu a pass over MLAS's output,
+  what 889de59 ran), the same with onnxruntime's MLAS kept out (``xla``:
+  :func:`~popart_kit._runtime.xla.ops_conv.xla_lowering_for`'s lowering, what 24ef92a ran),
+  with MLAS forced (``mlas``, whether chosen or not: what the choice of
   :func:`~popart_kit._runtime.xla.ops_conv.mlas_wins` rests on) and XLA's NCHW convolution
   (``nchw``, what the lowering was before ops_conv.py). Ratios are onnxruntime's time / each
   (goal >= 1.0x); ``xla/raw`` is the xla column's time / the raw op's (goal >= 1.0x: the
-  choice is no slower than XLA's lowering).
+  choice is no slower than XLA's lowering), ``apart/raw`` the apart column's (goal >= 1.0x:
+  the fusion is no slower).
 * backward (training): forward and gradient of sum(y ** 2) with respect to the input and the
-  weights through the lowered op, against the same through the ``xla`` lowering and XLA's
-  NCHW convolution (goal: no slower, >= 1.0x). onnxruntime has no gradient.
+  weights through the lowered op, against the same with the fusions off (``apart``),
+  through the ``xla`` lowering and XLA's NCHW convolution (goal: no slower, >= 1.0x).
+  onnxruntime has no gradient.
 
 Which lowering ops_conv.py chose is printed per row. Timings are noisy on a shared machine:
 compare ratios of one run, and quote ``uptime``'s load average with them.
@@ -38,7 +42,7 @@ from jax import lax
 from onnx import helper, numpy_helper
 
 import popart_kit as pk
-from popart_kit._runtime.xla import conv_mlas, ops_conv
+from popart_kit._runtime.xla import conv_mlas, lowering, ops_conv
 from popart_kit._runtime.xla.lowering import lower
 from popart_kit._runtime.xla.ops_conv import lowering_for
 
@@ -102,11 +106,13 @@ def patched(module: object, name: str, value: object) -> Iterator[None]:
 
 def compiled(fn: Callable, *args: object, mlas: str = "chosen") -> Callable:
     """``fn`` compiled for ``args``: with the lowering ops_conv.py chooses (``"chosen"``), with
-    onnxruntime counted unavailable (``"off"``: XLA's lowering) or MLAS forced on every float32
-    4-D Conv (``"forced"``)."""
+    onnxruntime counted unavailable (``"off"``: XLA's lowering), MLAS forced on every float32
+    4-D Conv (``"forced"``), or the lowering's fusions off (``"apart"``: give ``fn`` a graph
+    lowered for it alone, its fused plans are kept)."""
     context = {"chosen": contextlib.nullcontext(),
                "off": patched(conv_mlas, "available", lambda: False),
-               "forced": patched(ops_conv, "mlas_wins", lambda x, w, g: len(x) == 4)}[mlas]
+               "forced": patched(ops_conv, "mlas_wins", lambda x, w, g: len(x) == 4),
+               "apart": patched(lowering, "_FUSION_OPS", {})}[mlas]
     with context:  # a new function each time: jax.jit would reuse an earlier trace of fn
         return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
 
@@ -132,32 +138,41 @@ def forward_row(repeat: int, row: str, dtype_name: str) -> None:
     def lowered(w, x):
         return graph.evaluate(w, {"x": x}, ["y"])["y"]
 
+    graph_apart = lower(model)
+
+    def lowered_apart(w, x):
+        return graph_apart.evaluate(w, {"x": x}, ["y"])["y"]
+
     xd, wd = jnp.asarray(x), jnp.asarray(graph.weights["w"])
     raw = compiled(lowered, graph.weights, xd)
+    apart = compiled(lowered_apart, graph.weights, xd, mlas="apart")
     xla = compiled(lowered, graph.weights, xd, mlas="off")
     mlas = compiled(lowered, graph.weights, xd, mlas="forced")
     old = compiled(functools.partial(before, attrs=attrs), xd, wd)
     want = ort_session.run(None, inputs)[0].astype(np.float32)
-    for fn in (raw, xla, mlas):
+    for fn in (raw, apart, xla, mlas):
         np.testing.assert_allclose(np.asarray(fn(graph.weights, xd), np.float32), want,
                                    rtol=2e-2, atol=2e-2)
     t = interleaved(repeat, ort=lambda: ort_session.run(None, inputs),
                     session=functools.partial(sess.run, inputs),
                     raw=lambda: raw(graph.weights, xd).block_until_ready(),
+                    apart=lambda: apart(graph.weights, xd).block_until_ready(),
                     xla=lambda: xla(graph.weights, xd).block_until_ready(),
                     mlas=lambda: mlas(graph.weights, xd).block_until_ready(),
                     nchw=lambda: old(xd, wd).block_until_ready())
     lowering = lowering_for(x.shape, ROWS[row][2], attrs["group"], x.dtype)
     cells = " ".join(f"{t[k] * 1e3:>7.2f}ms {t['ort'] / t[k]:>5.2f}x"
-                     for k in ("session", "raw", "xla", "mlas", "nchw"))
+                     for k in ("session", "raw", "apart", "xla", "mlas", "nchw"))
     print(f"{dtype_name:<5} {ROWS[row][0]:<50} {t['ort'] * 1e3:>8.2f}ms {cells} (goal >= 1.0x)"
-          f"  {t['xla'] / t['raw']:>5.2f}x (goal >= 1.0x)  {lowering}", flush=True)
+          f"  {t['xla'] / t['raw']:>5.2f}x {t['apart'] / t['raw']:>5.2f}x (goal >= 1.0x)  "
+          f"{lowering}", flush=True)
 
 
 def forward(repeat: int, dtypes: list[str], rows: list[str]) -> None:
-    head = " ".join(f"{name:>9} {'ratio':>5}" for name in ("session", "raw op", "xla", "mlas",
-                                                            "nchw"))
-    print(f"\nforward {'row':<48} {'onnxrt':>10} {head} {'':>14}  xla/raw {'':<14} lowering")
+    head = " ".join(f"{name:>9} {'ratio':>5}" for name in ("session", "raw op", "apart", "xla",
+                                                            "mlas", "nchw"))
+    print(f"\nforward {'row':<48} {'onnxrt':>10} {head} {'':>14}  xla/raw apart/raw {'':<14} "
+          f"lowering")
     for dtype_name in dtypes:
         for row in rows:
             forward_row(repeat, row, dtype_name)
@@ -173,28 +188,37 @@ def backward_row(repeat: int, row: str, dtype_name: str) -> None:
     def old_loss(w, x):
         return jnp.sum(before(x, w["w"], attrs).astype(jnp.float32) ** 2)
 
+    graph_apart = lower(model)
+
+    def loss_apart(w, x):
+        return jnp.sum(graph_apart.evaluate(w, {"x": x}, ["y"])["y"].astype(jnp.float32) ** 2)
+
     xd, wd = jnp.asarray(x), {"w": jnp.asarray(graph.weights["w"])}
     grad = jax.grad(loss, argnums=(0, 1))
     new = compiled(grad, wd, xd)
+    apart = compiled(jax.grad(loss_apart, argnums=(0, 1)), wd, xd, mlas="apart")
     xla = compiled(grad, wd, xd, mlas="off")
     old = compiled(jax.grad(old_loss, argnums=(0, 1)), wd, xd)
     want = old(wd, xd)
-    for fn in (new, xla):
+    for fn in (new, apart, xla):
         for g, w in zip(jax.tree.leaves(fn(wd, xd)), jax.tree.leaves(want), strict=True):
             scale = float(jnp.max(jnp.abs(w.astype(jnp.float32)))) or 1.0
             error = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
             assert error <= 2e-2 * scale, (row, dtype_name, error, scale)
     t = interleaved(repeat, new=lambda: jax.block_until_ready(new(wd, xd)),
+                    apart=lambda: jax.block_until_ready(apart(wd, xd)),
                     xla=lambda: jax.block_until_ready(xla(wd, xd)),
                     old=lambda: jax.block_until_ready(old(wd, xd)))
     print(f"{dtype_name:<5} {ROWS[row][0]:<50} {t['new'] * 1e3:>9.2f}ms "
+          f"{t['apart'] * 1e3:>7.2f}ms {t['apart'] / t['new']:>5.2f}x "
           f"{t['xla'] * 1e3:>7.2f}ms {t['xla'] / t['new']:>5.2f}x "
           f"{t['old'] * 1e3:>7.2f}ms {t['old'] / t['new']:>5.2f}x (goal >= 1.0x)  "
           f"{lowering_for(x.shape, ROWS[row][2], attrs['group'], x.dtype)}", flush=True)
 
 
 def backward(repeat: int, dtypes: list[str], rows: list[str]) -> None:
-    print(f"\nbackward {'row':<49} {'lowered op':>11} {'xla':>9} {'ratio':>6} {'nchw':>9} "
+    print(f"\nbackward {'row':<49} {'lowered op':>11} {'apart':>9} {'ratio':>6} {'xla':>9} "
+          f"{'ratio':>6} {'nchw':>9} "
           f"{'ratio':>6} {'':>14}  lowering")
     for dtype_name in dtypes:
         for row in rows:

@@ -370,3 +370,173 @@ def test_importing_popart_kit_does_not_import_onnxruntime():
     code = ("import sys, popart_kit, popart_kit._runtime.xla.ops_conv; "
             "assert 'onnxruntime' not in sys.modules, 'onnxruntime imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- Conv -> Relu as one MLAS call (lowering.py's FUSIONS, ops_conv.conv_relu) -------------------
+
+X, W = (2, 16, 12, 10), (16, 16, 3, 3)  # small: the tests take MLAS at any size (small_mlas)
+
+
+@pytest.fixture
+def small_mlas(monkeypatch):
+    """MLAS chosen for float32 Convs of any size (MLAS_MIN_WORK 0): small, fast tests."""
+    monkeypatch.setattr(ops_conv, "MLAS_MIN_WORK", 0)
+
+
+def conv_relu_model(x_shape=X, w_shape=W, dtype=np.float32, extra_reader=False
+                    ) -> onnx.ModelProto:
+    """x -> Conv (w, b; "c") -> Relu ("y"); with ``extra_reader`` an Add also reads c ("z")."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["y"])]
+    out = [x_shape[0], w_shape[0], *x_shape[2:]]  # 3x3, pads 1
+    outputs = [helper.make_tensor_value_info("y", elem, out)]
+    if extra_reader:
+        nodes.append(helper.make_node("Add", ["c", "c"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", elem, out))
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, elem, list(s))
+         for n, s in (("x", x_shape), ("w", w_shape), ("b", w_shape[:1]))], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def fused_types(graph, wanted):
+    """The op types the lowering evaluates for ``wanted`` (a fused pair as "Conv+Relu")."""
+    return [n.ctx.op_type for n in graph._fused(tuple(wanted))]
+
+
+def mlas_key(x_shape, activation, w_shape=W):
+    """conv_mlas's session key for conv_relu_model's Conv (3x3, pads 1, bias)."""
+    return (x_shape, w_shape, True, (1, 1), ((1, 1), (1, 1)), (1, 1), 1, activation)
+
+
+def apart(model):
+    """``model`` lowered with the lowering's fusions off (the Conv and its Relu apart)."""
+    graph = lower(model)
+    graph._fused = lambda wanted: graph._plan(wanted)
+    return graph
+
+
+def evaluate(graph, feeds, wanted=("y",)):
+    return jax.jit(lambda f: graph.evaluate({}, f, list(wanted)))(feeds)
+
+
+@pytest.mark.parametrize("layout,x_shape,w_shape", [
+    ("nchwc", X, W), ("nchwc_bo", (2, 3, 12, 10), (16, 3, 3, 3)),
+    ("nchw", (2, 18, 12, 10), (16, 18, 3, 3))])
+def test_conv_relu_fused_into_one_mlas_call_matches_onnxruntime_and_apart(
+        small_mlas, layout, x_shape, w_shape):
+    """A float32 Conv whose only reader is a Relu runs as one MLAS call with MLAS's Relu
+    (onnxruntime's NCHWc Conv, or its FusedConv for the plain layout); its result is
+    onnxruntime's (which fuses them alike) and the unfused pair's, raw and through a
+    session."""
+    import popart_kit as pk
+
+    if conv_mlas.block_size() == 16:
+        assert conv_mlas.layout_for(w_shape, 1) == layout
+    model = conv_relu_model(x_shape, w_shape)
+    feeds = feeds_for(model)
+    graph = lower(model)
+    assert fused_types(graph, ["y"]) == ["Conv+Relu"]
+    text = str(jax.make_jaxpr(lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+    assert text.count("buffer_callback") == 1
+    key = mlas_key(x_shape, "Relu", w_shape)
+    conv_mlas._SESSIONS.pop(key, None)
+    got = np.asarray(evaluate(graph, feeds)["y"])
+    assert key in conv_mlas._SESSIONS  # MLAS's Relu ran
+    np.testing.assert_array_equal(got, evaluate(apart(model), feeds)["y"])
+    np.testing.assert_allclose(got, run_ort(model, feeds), rtol=1e-4, atol=1e-4)
+    assert np.min(got) == 0 and np.mean(got == 0) > 0.2
+    sess = pk.InferenceSession(model, pk.SessionConfig(
+        mode="inference", batches_per_step=1, device={"target": "offline"}),
+        anchors={"y": "All"}, backend="xla")
+    np.testing.assert_allclose(sess.run(feeds)["y"], got, rtol=1e-6, atol=1e-6)
+
+
+def test_conv_relu_fused_gradients_are_the_pairs(small_mlas):
+    """The fused pair's gradients (Relu's mask from the output, then the XLA lowering's
+    backward) are the unfused pair's, bit for bit; under vmap (the batch folded into one
+    fused call; a batched filter falls back to XLA then Relu) and scan its values too."""
+    model = conv_relu_model()
+    feeds = {k: jnp.asarray(v) for k, v in feeds_for(model).items()}
+    fused, separate = lower(model), apart(model)
+    probe = jnp.asarray(RNG.standard_normal((2, 16, 12, 10)), jnp.float32)
+
+    def grads(graph):
+        return jax.jit(jax.grad(lambda f: jnp.sum(
+            graph.evaluate({}, f, ["y"])["y"] * probe)))(feeds)
+
+    got, want = grads(fused), grads(separate)
+    for name in "xwb":
+        np.testing.assert_array_equal(got[name], want[name], err_msg=f"d{name}")
+    assert float(jnp.max(jnp.abs(got["w"]))) > 0
+
+    xs = jnp.stack([feeds["x"], -feeds["x"]])  # (2, 2, 16, 12, 10)
+
+    def mapped(graph):
+        def one(x):
+            return graph.evaluate({}, {**feeds, "x": x}, ["y"])["y"]
+        return jax.jit(jax.vmap(one))(xs), jax.jit(lambda: lax.scan(
+            lambda c, x: (c + jnp.sum(one(x)), one(x)), 0.0, xs))()
+
+    (vm, (total, sc)), (vm_want, (total_want, sc_want)) = mapped(fused), mapped(separate)
+    text = str(jax.make_jaxpr(jax.vmap(lambda x: fused.evaluate(
+        {}, {**feeds, "x": x}, ["y"])["y"]))(xs))
+    assert text.count("buffer_callback") == 1 and "f32[4,16,12,10]" in text
+    assert mlas_key((4, 16, 12, 10), "Relu") in conv_mlas._SESSIONS
+    np.testing.assert_array_equal(vm, vm_want)
+    np.testing.assert_array_equal(sc, sc_want)
+    np.testing.assert_allclose(total, total_want, rtol=1e-5)
+    ws = jnp.stack([feeds["w"], -feeds["w"]])
+
+    def by_filter(graph):
+        return jax.jit(jax.vmap(lambda w, x: graph.evaluate(
+            {}, {**feeds, "x": x, "w": w}, ["y"])["y"]))(ws, xs)
+
+    np.testing.assert_allclose(by_filter(fused), by_filter(separate), rtol=1e-5, atol=2e-5)
+
+
+def test_conv_relu_not_fused_where_the_conv_output_is_wanted_or_read_elsewhere(small_mlas):
+    """The Conv's output anchored, a gradient anchor (an offset), a graph output or read by
+    another node: the pair runs apart (MLAS's Conv without Relu, then the Relu)."""
+    model = conv_relu_model()
+    feeds = feeds_for(model)
+    graph = lower(model)
+    assert fused_types(graph, ["y", "c"]) == ["Conv", "Relu"]
+    conv_mlas._SESSIONS.pop(mlas_key(X, None), None)
+    got = evaluate(graph, feeds, ["y", "c"])
+    assert mlas_key(X, None) in conv_mlas._SESSIONS  # MLAS's Conv alone
+    assert float(jnp.min(got["c"])) < 0
+    np.testing.assert_array_equal(got["y"], np.maximum(got["c"], 0))
+    dc = jax.grad(lambda d: jnp.sum(graph.evaluate({}, feeds, ["y"], offsets={"c": d})["y"]))(
+        jnp.zeros(X[:1] + W[:1] + X[2:], jnp.float32))
+    np.testing.assert_array_equal(dc, (got["c"] > 0).astype(np.float32))
+    shared = conv_relu_model(extra_reader=True)
+    graph = lower(shared)
+    assert fused_types(graph, ["y"]) == ["Conv", "Relu"]
+    assert fused_types(graph, ["y", "z"]) == ["Conv", "Relu", "Add"]
+    np.testing.assert_allclose(evaluate(graph, feeds)["y"], run_ort(shared, feeds), rtol=1e-4,
+                               atol=1e-4)
+    as_output = conv_relu_model()
+    as_output.graph.output.append(helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT,
+                                                               [2, 16, 12, 10]))
+    assert fused_types(lower(as_output), ["y"]) == ["Conv", "Relu"]
+
+
+@pytest.mark.parametrize("kind", ["small", "float16", "1x1"])
+def test_conv_relu_other_lowerings_run_apart(kind):
+    """A Conv that does not take the "mlas" lowering: the fused node declines and the Conv and
+    Relu run as ever (XLA fuses the Relu itself), the same values as unfused."""
+    shapes = {"small": (X, W), "float16": ((2, 32, 64, 64), (32, 32, 3, 3)),
+              "1x1": ((8, 256, 14, 14), (256, 256, 1, 1))}[kind]
+    dtype = np.float16 if kind == "float16" else np.float32
+    assert lowering_for(*shapes, 1, dtype) != "mlas"
+    model = conv_relu_model(*shapes, dtype=dtype)
+    feeds = feeds_for(model, dtype)
+    graph = lower(model)
+    assert fused_types(graph, ["y"]) == ["Conv+Relu"]  # decided when traced, by the lowering
+    text = str(jax.make_jaxpr(lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+    assert "buffer_callback" not in text
+    np.testing.assert_array_equal(evaluate(graph, feeds)["y"],
+                                  evaluate(apart(model), feeds)["y"])

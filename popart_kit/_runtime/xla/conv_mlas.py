@@ -16,6 +16,11 @@ another platform than the CPU (:func:`jax.lax.platform_dependent`) the forward i
 too. Under :func:`jax.vmap` with only the input batched the batch axis is folded into N (one
 bigger convolution); any other batching runs the XLA lowering, vmapped.
 
+An ``activation`` (:data:`ACTIVATIONS`: Relu) is applied by MLAS to the convolution's output as
+it is written (the ``activation`` attribute of onnxruntime's NCHWc Conv, or of its
+``com.microsoft`` FusedConv for the plain layout): no second pass over the output. Its gradient
+is the activation's, computed from the output, then the XLA lowering's backward.
+
 Refuses nothing itself: :func:`available` says whether onnxruntime imports and the installed jax
 has ``buffer_callback`` (checked once); callers fall back to XLA when it does not.
 """
@@ -33,8 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["INTRA_OP_THREADS", "NCHWC", "available", "block_size", "conv", "layout_for",
-           "session_for"]
+from .ops import _popart_relu
+
+__all__ = ["ACTIVATIONS", "INTRA_OP_THREADS", "NCHWC", "available", "block_size", "conv",
+           "layout_for", "session_for"]
 
 #: onnxruntime's intra-op threads per session (None: one per CPU this process may run on, as
 #: XLA's own pool).
@@ -47,7 +54,19 @@ _LOCK = threading.Lock()
 #: onnxruntime's domain of MLAS's channel-blocked (NCHWc) kernels.
 NCHWC = "com.microsoft.nchwc"
 
-Key = tuple  # (x shape, w shape, bias, strides, pads, dilations, group)
+Key = tuple  # (x shape, w shape, bias, strides, pads, dilations, group, activation)
+
+
+def _relu_gradient(y: Any, dy: Any) -> Any:
+    """PopART's Relu gradient (popnn's: 0 where the input is <= 0) read from Relu's output."""
+    return jnp.where(y <= 0, jnp.zeros((), dy.dtype), dy)
+
+
+#: Activations MLAS applies to a convolution's output: name -> (the activation, as the xla
+#: backend computes it; its gradient from its output ``y`` and the output's gradient ``dy``).
+ACTIVATIONS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
+    "Relu": (_popart_relu, _relu_gradient),
+}
 
 
 @functools.cache
@@ -161,17 +180,20 @@ def _make_session(key: Key) -> Any:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    x_shape, w_shape, bias, strides, pads, dilations, group = key
+    x_shape, w_shape, bias, strides, pads, dilations, group, activation = key
     layout = layout_for(w_shape, group)
     names = ["x", "w"] + (["b"] if bias else [])
     attrs = dict(strides=list(strides), pads=[lo for lo, _ in pads] + [hi for _, hi in pads],
                  dilations=list(dilations), group=group)
+    if activation:
+        attrs["activation"] = activation
     w_in, b_in = jax.eval_shape(lambda w, b: _reorder(w, b, layout),
                                 jax.ShapeDtypeStruct(w_shape, np.float32),
                                 jax.ShapeDtypeStruct((w_shape[0],), np.float32))
     shapes = [x_shape, w_in.shape] + ([b_in.shape] if bias else [])
     if layout == "nchw":
-        nodes = [helper.make_node("Conv", names, ["y"], **attrs)]
+        nodes = [helper.make_node("FusedConv", names, ["y"], domain="com.microsoft", **attrs)
+                 if activation else helper.make_node("Conv", names, ["y"], **attrs)]
     else:
         reordered = layout == "nchwc" or group > 1
         first = ["xc" if reordered else "x"] + names[1:]
@@ -186,13 +208,14 @@ def _make_session(key: Key) -> Any:
          for n, s in zip(names, shapes, strict=True)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11),
-                                                    helper.make_opsetid(NCHWC, 1)])
+                                                    helper.make_opsetid(NCHWC, 1),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     return ort.InferenceSession(model.SerializeToString(), _options(),
                                 providers=["CPUExecutionProvider"])
 
 
 def _out_shape(key: Key) -> tuple[int, ...]:
-    x_shape, w_shape, _, strides, pads, dilations, _ = key
+    x_shape, w_shape, _, strides, pads, dilations, _, _ = key
     out = [(s + lo + hi - (k - 1) * d - 1) // st + 1 for s, k, (lo, hi), d, st
            in zip(x_shape[2:], w_shape[2:], pads, dilations, strides, strict=True)]
     return (x_shape[0], w_shape[0], *out)
@@ -213,11 +236,13 @@ def _callback(key: Key) -> Callable[..., None]:
 
 
 def _forward(x: Any, w: Any, b: Any, strides: tuple, pads: tuple, dilations: tuple,
-             group: int, xla: Callable[..., Any]) -> Any:
-    """The MLAS convolution, batched by :func:`jax.custom_batching.custom_vmap`."""
+             group: int, xla: Callable[..., Any], activation: str | None) -> Any:
+    """The MLAS convolution (then ``activation``), batched by
+    :func:`jax.custom_batching.custom_vmap`; ``xla`` is the whole of it by XLA."""
     from jax.experimental.buffer_callback import buffer_callback
 
-    key = (tuple(x.shape), tuple(w.shape), b is not None, strides, pads, dilations, group)
+    key = (tuple(x.shape), tuple(w.shape), b is not None, strides, pads, dilations, group,
+           activation)
     args = (x, w) if b is None else (x, w, b)
 
     @jax.custom_batching.custom_vmap
@@ -232,7 +257,7 @@ def _forward(x: Any, w: Any, b: Any, strides: tuple, pads: tuple, dilations: tup
         x, w, *rest = args
         if in_batched[0] and not any(in_batched[1:]):
             y = _forward(x.reshape((-1, *x.shape[2:])), w, rest[0] if rest else None,
-                         strides, pads, dilations, group, xla)
+                         strides, pads, dilations, group, xla, activation)
             return y.reshape((size, -1, *y.shape[1:])), True
         axes = [0 if batched else None for batched in in_batched]
         return jax.vmap(lambda *a: xla(*a) if len(a) == 3 else xla(*a, None),
@@ -242,27 +267,40 @@ def _forward(x: Any, w: Any, b: Any, strides: tuple, pads: tuple, dilations: tup
 
 
 def conv(x: Any, w: Any, b: Any, strides: Sequence[int], pads: Sequence[tuple[int, int]],
-         dilations: Sequence[int], group: int, xla: Callable[[Any, Any, Any], Any]) -> Any:
-    """``xla(x, w, b)`` (a float32 NCHW convolution with bias ``b`` or None), computed by MLAS
-    where lowered for the CPU, differentiated as ``xla``."""
+         dilations: Sequence[int], group: int, xla: Callable[[Any, Any, Any], Any],
+         activation: str | None = None) -> Any:
+    """``xla(x, w, b)`` (a float32 NCHW convolution with bias ``b`` or None), then
+    ``activation`` (a name in :data:`ACTIVATIONS`, or None), computed by MLAS where lowered for
+    the CPU, differentiated as ``xla`` followed by the activation (the activation's gradient
+    read from the output, then ``xla``'s backward)."""
     strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
     pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+    after, gradient = ACTIVATIONS[activation] if activation else (None, None)
+
+    def whole(x: Any, w: Any, b: Any = None) -> Any:  # the convolution and activation, by XLA
+        y = xla(x, w, b)
+        return y if after is None else after(y)
 
     def forward(*args: Any) -> Any:
         x, w, *rest = args
         b = rest[0] if rest else None
         return lax.platform_dependent(
-            x, w, b, cpu=lambda x, w, b: _forward(x, w, b, strides, pads, dilations, group, xla),
-            default=xla)
+            x, w, b, default=whole,
+            cpu=lambda x, w, b: _forward(x, w, b, strides, pads, dilations, group, whole,
+                                         activation))
 
     @jax.custom_vjp
     def fn(*args: Any) -> Any:
         return forward(*args)
 
     def fn_forward(*args: Any) -> tuple[Any, Any]:
-        return forward(*args), args
+        y = forward(*args)
+        return y, (args, None if gradient is None else y)
 
-    def fn_backward(args: Any, dy: Any) -> Any:
+    def fn_backward(saved: Any, dy: Any) -> Any:
+        args, y = saved
+        if gradient is not None:  # the activation's gradient, then the convolution's
+            dy = gradient(y, dy)
         _, vjp = jax.vjp(lambda *a: xla(*a) if len(a) == 3 else xla(*a, None), *args)
         return vjp(dy)
 

@@ -25,13 +25,18 @@ its path (``node (If): subgraph then_branch (name): ...``). What a subgraph read
 graphs becomes extra inputs of its node, so it is planned, folded and fed as any input (and
 differentiated: gradients reach a weight read inside a Call or If body). An If whose condition
 is a constant lowers only the branch it takes.
+
+A node whose output only one other node reads may be lowered together with that reader where
+:data:`FUSIONS` offers a lowering of the pair (a Conv and its Relu as one onnxruntime MLAS call):
+never when that output is wanted (anchored, a graph output, a gradient anchor) or read by
+anything else (a subgraph's read is its node's input), nor under recomputation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
 from ..._model.tensors import to_array
 from ...errors import InvalidModel, ModelError, clip
+from . import ops_conv
 from .op_table import OPS
 from .ops import (
     GRAPHCORE,
@@ -121,6 +127,12 @@ class LoweredGraph:
         self._producer = {out: i for i, n in enumerate(nodes) for out in n.outputs if out}
         self.tensors: set[str] = {*inputs, *weights, *constants, *known, *self._producer}
         self._plans: dict[tuple[str, ...], list[_Node]] = {}
+        self._fused_plans: dict[tuple[str, ...], list[_Node]] = {}
+        self._reads: dict[str, int] = {}  # how many inputs of all nodes name each tensor
+        for node in nodes:
+            for name in node.inputs:
+                if name:
+                    self._reads[name] = self._reads.get(name, 0) + 1
 
     def part(self, produces: set[str], inputs: Mapping[str, tuple[tuple[int, ...], np.dtype]]
              ) -> LoweredGraph:
@@ -179,6 +191,35 @@ class LoweredGraph:
             self._plans[wanted] = [self._nodes[i] for i in sorted(needed)]
         return self._plans[wanted]
 
+    def _fused(self, wanted: tuple[str, ...]) -> list[_Node]:
+        """:meth:`_plan`'s nodes with each pair :data:`FUSIONS` offers to lower together made
+        one node, where the first's one output is read by the second alone (once), is not
+        ``wanted`` (anchors, gradient anchors) nor a graph output, and both nodes are traced
+        (not shape-derived) with the same partials type. The pair runs where the second
+        stood (the first's other readers: none)."""
+        if wanted in self._fused_plans:
+            return self._fused_plans[wanted]
+        plan = self._plan(wanted)
+        kept = {*wanted, *self.outputs}
+        made = {o: node for node in plan for o in node.outputs if o}
+        firsts: set[int] = set()
+        out: list[_Node] = []
+        for node in plan:
+            fused = None
+            for name in dict.fromkeys(n for n in node.inputs if n):
+                first = made.get(name)
+                fn = first and _FUSION_OPS.get((id(first.op), id(node.op)))
+                if (fn is None or name in kept or self._reads.get(name) != 1
+                        or first.static or node.static or first.partials != node.partials
+                        or [o for o in first.outputs if o] != [name]):
+                    continue
+                fused = _fused_node(first, node, node.inputs.index(name), fn)
+                firsts.add(id(first))
+                break
+            out.append(fused or node)
+        self._fused_plans[wanted] = [n for n in out if id(n) not in firsts]
+        return self._fused_plans[wanted]
+
     def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
                  wanted: Sequence[str],
                  offsets: Mapping[str, Any] | None = None,
@@ -194,9 +235,10 @@ class LoweredGraph:
         given as compile-time (numpy) values, used as they are (a subgraph's reads of its
         enclosing graph's shape-derived values). Pure: trace it with ``jax.jit``, ``jax.vmap``
         or ``jax.grad``."""
-        plan = self._plan(tuple(wanted) + tuple(offsets or ()))
-        offsets = offsets or {}
         keep = _KEEPS.get(_RECOMPUTATION.get())  # which outputs a recomputing backward keeps
+        key = tuple(wanted) + tuple(offsets or ())
+        plan = self._plan(key) if keep is not None else self._fused(key)
+        offsets = offsets or {}
 
         def shifted(name: str, value: Any) -> Any:
             return value + offsets[name] if name in offsets else value
@@ -283,6 +325,50 @@ class LoweredGraph:
                                 if name in self.weights else inputs[name])
             out[name] = jnp.asarray(value)
         return out
+
+
+#: Pairs of operators lowered as one where the first's output is read by the second alone
+#: (:meth:`LoweredGraph._fused`): ((domain, op type) of the first, of the second) -> ``fn(
+#: first's Ctx, second's Ctx, *first's inputs, *second's other inputs)`` giving the second's
+#: outputs, or None to decline (the two then run apart, as always).
+FUSIONS: dict[tuple[tuple[str, str], tuple[str, str]], Callable[..., Any]] = {
+    (("", "Conv"), ("", "Relu")): ops_conv.conv_relu,
+}
+_FUSION_OPS = {(id(OPS[first]), id(OPS[second])): fn for (first, second), fn in FUSIONS.items()}
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """The operator of two fused nodes: the fusion's lowering, else the two in turn."""
+
+    first: _Node
+    second: _Node
+    at: int                     # where the first's output is among the second's inputs
+    fn: Callable[..., Any]
+
+    def __call__(self, ctx: Ctx, *args: Any) -> tuple[Any, ...]:
+        count = len(self.first.inputs)
+        own, rest = list(args[:count]), list(args[count:])
+        first = self.first.ctx.with_values(own)
+        got = self.fn(first, self.second.ctx.with_values(
+            [*rest[:self.at], UNKNOWN, *rest[self.at:]]), *own, *rest)
+        if got is not None:
+            return got if isinstance(got, tuple) else (got,)
+        value = next(v for v, o in zip(self.first.op(first, *own), self.first.outputs,
+                                       strict=False) if o)
+        theirs = [*rest[:self.at], value, *rest[self.at:]]
+        return self.second.op(self.second.ctx.with_values(theirs), *theirs)
+
+
+def _fused_node(first: _Node, second: _Node, at: int, fn: Callable[..., Any]) -> _Node:
+    """One node computing ``second`` from ``first``'s output (its input ``at``)."""
+    inputs = (*first.inputs, *second.inputs[:at], *second.inputs[at + 1:])
+    flags = [first.ctx.is_static(i) for i in range(len(first.inputs))] + [
+        second.ctx.is_static(i) for i in range(len(second.inputs)) if i != at]
+    ctx = Ctx(f"{first.label}+{second.label}", f"{first.ctx.op_type}+{second.ctx.op_type}",
+              second.ctx.opset, {}, inputs, second.outputs, flags)
+    return _Node(ctx.name, _Fused(first, second, at, fn), ctx, inputs,  # type: ignore[arg-type]
+                 second.outputs, False, first.partials, second.recompute)
 
 
 def _segments(plan: list[_Node], keep: Any, fresh: bool) -> list[list[_Node]]:
