@@ -1,5 +1,5 @@
 """What PopART refuses, the drop-in refuses before anything runs, with PopART's exception and
-message (rules V51-V64 of docs/rules.md); what only PopART refuses stays runnable for a
+message (rules V51-V67 and others of docs/rules.md); what only PopART refuses stays runnable for a
 pk.SessionConfig user."""
 
 from __future__ import annotations

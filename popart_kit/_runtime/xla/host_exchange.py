@@ -4,13 +4,14 @@ When every instance of a job runs on this host (its coordinator is a loopback ad
 other host can be one of them), :func:`~.distributed.initialize` makes the job's
 :class:`LocalJob`; a training step's reduction then sums each update's gradient over the
 instances with :func:`sum_over_instances`: inside the program the gradients are cut into
-buckets (whole weights, :data:`BUCKET_BYTES` or more each, in the order the backward pass
-finishes them), and each bucket leaves the program through a host callback that writes it into
-this instance's slot of a shared-memory segment, waits (futex) until every instance has written
-its own, and adds the slots up in instance order - so every instance gets the same bits. A
-bucket's exchange depends only on its own weights' gradients (and, so that the instances meet
-in one order, on the bucket before), so XLA may run it while the rest of the backward pass is
-still computed. The run's finiteness flags meet the same way (:func:`min_over_instances`).
+buckets (whole weights, :data:`BUCKET_BYTES` or more each, in reverse name order: a guess at
+the order the backward pass finishes them), and each bucket leaves the program through a host
+callback that writes it into this instance's slot of a shared-memory segment, waits (futex)
+until every instance has written its own, and adds the slots up in instance order - so every
+instance gets the same bits. A bucket's exchange depends only on its own weights' gradients
+(and, so that the instances meet in one order, on the bucket before), so XLA may run it while
+the rest of the backward pass is still computed. The run's finiteness flags meet the same way
+(:func:`min_over_instances`).
 Across hosts, or where this transport is not available, both stay on ``jax.distributed``'s
 collectives (gloo).
 
@@ -370,7 +371,8 @@ def cleanup() -> None:
 
 def _buckets(names: Sequence[str], grads: Mapping[str, Any], limit: int) -> list[list[str]]:
     """Consecutive whole weights of one dtype, ``limit`` bytes or more a bucket; ``names`` in
-    the order the backward pass finishes them (the last layer's first)."""
+    the order they should leave (reverse name order: for a layered model's names, roughly the
+    order the backward pass finishes them)."""
     out: list[list[str]] = []
     size = 0
     for name in names:

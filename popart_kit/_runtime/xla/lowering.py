@@ -29,7 +29,8 @@ is a constant lowers only the branch it takes.
 A node whose output only one other node reads may be lowered together with that reader where
 :data:`FUSIONS` offers a lowering of the pair (a Conv and its Relu as one onnxruntime MLAS call):
 never when that output is wanted (anchored, a graph output, a gradient anchor) or read by
-anything else (a subgraph's read is its node's input), nor under recomputation.
+anything else (a subgraph's read is its node's input), nor under recomputation, nor inside a
+pipeline stage (whose every output is kept).
 """
 
 from __future__ import annotations
