@@ -18,7 +18,7 @@ import onnx
 
 from .._base.problems import Problem, raise_errors
 from ..errors import InvalidModel, clip
-from .builder_subgraphs import without_branch_inputs
+from .builder_subgraphs import AI_GRAPHCORE, without_branch_inputs
 from .popart_types import first_refusal, first_setup_refusal
 
 __all__ = ["model_problems", "check_model"]
@@ -170,7 +170,6 @@ _REDUCE_OPS = frozenset({"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumEx
                          "ReduceSumSquare", "ReduceMedian"})
 #: Variadic operators whose version 6 takes inputs of one type and shape (no broadcasting).
 _VARIADIC_OPS = frozenset({"Sum", "Mean", "Max", "Min"})
-_GRAPHCORE = "ai.graphcore"
 
 
 def _is_onnx(node: onnx.NodeProto) -> bool:
@@ -180,7 +179,7 @@ def _is_onnx(node: onnx.NodeProto) -> bool:
 def _checked_here(node: onnx.NodeProto) -> bool:
     return (node.op_type in _REDUCE_OPS and (_is_onnx(node) or node.op_type == "ReduceMedian")
             or node.op_type in _VARIADIC_OPS and _is_onnx(node)
-            or node.op_type == "Reverse" and node.domain == _GRAPHCORE)
+            or node.op_type == "Reverse" and node.domain == AI_GRAPHCORE)
 
 
 def _known_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -257,7 +256,7 @@ def _operator_problems(model: onnx.ModelProto) -> list[Problem]:
             axes = _reduce_axes(model, node)
             if rank is None or not axes:
                 continue
-            opid = (f"{_GRAPHCORE}.ReduceMedian:1" if node.domain == _GRAPHCORE else
+            opid = (f"{AI_GRAPHCORE}.ReduceMedian:1" if node.domain == AI_GRAPHCORE else
                     f"ai.onnx.{node.op_type}:{_version(node, opsets)}")
             if rank == 0:
                 refuse(node, i, f"Reduce input rank must be greater than 0, invalid Reduce "
@@ -270,7 +269,7 @@ def _operator_problems(model: onnx.ModelProto) -> list[Problem]:
                        f"give axes in [{-rank}, {rank - 1}] (the input has rank {rank}).",
                        "V51")
         elif node.op_type in _VARIADIC_OPS:
-            if _version(node, opsets) != 6 or len(node.input) < 2:
+            if len(node.input) < 2:  # (opset 6 only: see `nodes`)
                 continue
             first = types.get(node.input[0])
             if first is None or any(_rank(types, n) is None for n in node.input):
@@ -284,7 +283,7 @@ def _operator_problems(model: onnx.ModelProto) -> list[Problem]:
             dims = next((list(a.ints) for a in node.attribute if a.name == "dimensions"), [])
             if rank is None:
                 continue
-            what = _op_str(node, i, f"{_GRAPHCORE}.Reverse:1")
+            what = _op_str(node, i, f"{AI_GRAPHCORE}.Reverse:1")
             seen: set[int] = set()
             for dim in dims:
                 text = (f"ReverseOp '{what}' invalid dimension '{dim}'. Only positive "

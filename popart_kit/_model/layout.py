@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .._config.fields import SessionFields
 
 __all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "allocation_view",
-           "load_model"]
+           "load_model", "opid", "popart_vector"]
 
 PIPELINE_STAGE = "__pipeline_stage"
 VIRTUAL_GRAPH = "__ipu_number"
@@ -317,7 +317,7 @@ class StagedOp:
                 f"outputs=[{', '.join(t for t in self.outputs if t)}])")
 
 
-def _opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
+def opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
     """PopART's text for an operator identifier, domain.type:version (opmanager.cpp:70): ONNX's
     operators at the version of their schema the model's opset selects, ai.graphcore's at 1."""
     domain = node.domain or "ai.onnx"
@@ -332,7 +332,7 @@ def _opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
     return f"{domain}.{node.op_type}:{version}"
 
 
-def _popart_vector(items: Sequence[Any]) -> str:
+def popart_vector(items: Sequence[Any]) -> str:
     """A vector or set as PopART's logging prints it (util.hpp appendSequence): [a b c]."""
     return "[" + " ".join(str(i) for i in items) + "]"
 
@@ -385,7 +385,7 @@ class PipelineLayout:
                                 _int_attribute(node, PIPELINE_STAGE),
                                 _int_attribute(node, VIRTUAL_GRAPH),
                                 _int_attribute(node, EXECUTION_PHASE),
-                                _opid(node, proto), node.name))
+                                opid(node, proto), node.name))
         return cls(ops, [t.name for t in proto.graph.initializer])
 
     # -- the model's own rules ----------------------------------------------------------------
@@ -461,9 +461,9 @@ class PipelineLayout:
                                    f"exactly one IPU.",
                                    f"put all of stage {stage} on one IPU, or split it into "
                                    f"stages.", "V5",
-                                   popart=f"Ops {_popart_vector([op.debug_name for op in ops])} "
+                                   popart=f"Ops {popart_vector([op.debug_name for op in ops])} "
                                    f"have the same pipeline stage {stage}, but different "
-                                   f"virtual graph ids {_popart_vector(sorted(ipus))}. All ops "
+                                   f"virtual graph ids {popart_vector(sorted(ipus))}. All ops "
                                    f"with the same pipeline stage must also have the same "
                                    f"virtual graph id"))  # ir.cpp:660
         out += list(self._flow_problems())

@@ -231,9 +231,6 @@ class VariableSettings:
             return comm_group_grouping(self._kind, self._size, numReplicas)
         return ReplicaGrouping(numReplicas, self._stride, self._size)
 
-    def _grouping_of_comm(self) -> bool:
-        return self._comm and self._kind not in (ALL, UNGROUPED) and self._size != 1
-
     def getGroupCount(self, replicaCount: int) -> int:
         """How many values the weight has (PopART: replicas / size, not checked to divide)."""
         if not self._comm:

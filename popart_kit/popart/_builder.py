@@ -199,7 +199,7 @@ class Builder(_KitBuilder):
         chosen, another one is a RuntimeError; where a loaded model's opset_import chose it,
         BuilderImpl::addOp refuses the op (builder_impl.cpp:705, a popart_exception)."""
         if self._chosen_onnx is not None and version != self._chosen_onnx:
-            if getattr(self, "_opset_of_model", False):
+            if self._opset_of_model:
                 raise popart_exception(f"Invalid opset {version} used to add an operation. "
                                        f"Opset for domain ai.onnx already defined as "
                                        f"{self._chosen_onnx}")

@@ -38,7 +38,7 @@ import onnx
 from .._base.names import GRADIENT_PREFIX
 from .._base.schedule import depth_text
 from .._model.builder_settings import EXCLUDE_PATTERNS, RECOMPUTE_OUTPUT
-from .._model.layout import PipelineLayout
+from .._model.layout import PipelineLayout, opid, popart_vector
 from ._core import PATTERNS, Patterns, popart_exception
 
 __all__ = ["check_program", "PATTERN_NAMES", "NEEDS_PATTERN"]
@@ -97,23 +97,6 @@ def _version(model: onnx.ModelProto, domain: str) -> int:
                  if (o.domain or _ONNX) == domain), 0)
 
 
-def _opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
-    """PopART's text for an operator identifier, domain.type:version (opmanager.cpp:70)."""
-    domain = _domain(node)
-    if domain == _GC:
-        return f"{_GC}.{node.op_type}:1"
-    try:
-        version = onnx.defs.get_schema(node.op_type, _version(model, domain), "").since_version
-    except onnx.defs.SchemaError:
-        version = _version(model, domain)
-    return f"{domain}.{node.op_type}:{version}"
-
-
-def _vector(values: Iterable[Any]) -> str:
-    """A vector as PopART's logging prints it: [a b c]."""
-    return "[" + " ".join(str(v) for v in values) + "]"
-
-
 def _reads(node: onnx.NodeProto) -> list[str]:
     """The tensors a node reads: its inputs and, for control flow and calls, every name its
     subgraphs read (outer-scope tensors are read implicitly; an over-approximation)."""
@@ -169,7 +152,7 @@ def _has_data(model: onnx.ModelProto) -> set[str]:
 def _debug_name(node: onnx.NodeProto, model: onnx.ModelProto, scope: str = "") -> str:
     """PopART's Op::debugName (op.cpp:1108): Op(name (opid) or opid, inputs=[..],
     outputs=[..]), tensor ids scoped by their graph."""
-    head = f"{node.name} ({_opid(node, model)})" if node.name else _opid(node, model)
+    head = f"{node.name} ({opid(node, model)})" if node.name else opid(node, model)
     inputs = ", ".join(scope + n for n in node.input if n)
     outputs = ", ".join(scope + n for n in node.output if n)
     return f"Op({head}, inputs=[{inputs}], outputs=[{outputs}])"
@@ -216,8 +199,8 @@ def _creation_refusals(model: onnx.ModelProto, pipelining: bool) -> Iterable[str
         if domain == _ONNX and node.op_type == "MaxPool" and opset >= 10:
             dilations = list(attrs.get("dilations", []))
             if any(d != 1 for d in dilations):
-                yield (f"MaxPool has dilations {_vector(dilations)}. Dilations of value other "
-                       f"than 1 are currently not supported.")
+                yield (f"MaxPool has dilations {popart_vector(dilations)}. Dilations of value "
+                       f"other than 1 are currently not supported.")
         if domain == _ONNX and node.op_type == "AveragePool" \
                 and attrs.get("count_include_pad", 0):
             yield "`count_include_pad` is not supported"
@@ -288,7 +271,7 @@ def _pattern_refusals(model: onnx.ModelProto, training: bool, patterns: Patterns
     for node in nodes:
         pattern = _FORWARD_NEEDS_PATTERN.get((_domain(node), node.op_type))
         if pattern and not patterns.isPatternEnabled(pattern):
-            yield text(_opid(node, model), pattern)
+            yield text(opid(node, model), pattern)
     if not training or loss is None or all(
             patterns.isPatternEnabled(p) for grads in NEEDS_PATTERN.values()
             for _, p in grads.values()):
@@ -348,7 +331,7 @@ def check_program(model: onnx.ModelProto, *, training: bool, options: Any,
                   patterns: Patterns | None, loss: str | None,
                   anchors: Mapping[str, Any] | Sequence[str]) -> None:
     """Raise ``popart_exception`` with PopART's message for the first of PopART's refusals
-    (rules V54-V62) that ``model`` with these options meets, in the order PopART meets them."""
+    (rules V6, V54-V66) that ``model`` with these options meets, in the order PopART meets them."""
     anchors = list(anchors)
     patterns = patterns if patterns is not None else Patterns()
     recompute = any(a.name == RECOMPUTE_OUTPUT and a.i == 2 for n in model.graph.node

@@ -198,7 +198,7 @@ class _Session:
         self.config = _config(mode, opts, dataFlow, deviceInfo, self.model)
         check_program(self.model, training=mode == "training", options=opts,
                       patterns=getattr(self, "patterns", None), loss=loss,
-                      anchors=list(dataFlow.returnTypes()))  # PopART's refusals: V54-V64
+                      anchors=list(dataFlow.returnTypes()))  # PopART's refusals: V6, V54-V66
         if opts.automaticLossScalingSettings.enabled:  # automaticlossscaling.cpp, apply()
             if mode != "training":
                 raise popart_exception("[AutomaticLossScale transform] Only compatible when "
@@ -402,7 +402,7 @@ class _Session:
             if array.size != size:
                 raise popart_exception(
                     f"Unexpected number of input elements for Tensor {name}. Expected "
-                    f"{int(np.prod(shape))}, but received {array.size}.\nhost shape "
+                    f"{size}, but received {array.size}.\nhost shape "
                     f"[bps, A, R, *S] = {list(shape)} (replication factor = "
                     f"{self.replicationFactor}, accumulation factor = "
                     f"{self.accumulationFactor}, batches per step = "

@@ -1,19 +1,18 @@
-"""popart.VariableSettings and popart.VariableRetrievalMode: grouped weights, as PopART binds
-them (python/popart/popart_core/popart.cpp; the arithmetic is
-:mod:`popart_kit._model.variables`). ``popart.CommGroup`` / ``popart.CommGroupType`` are the
-session options' (a VariableSettings takes any CommGroup). ``getReplicaGrouping`` returns a
+"""popart.VariableSettings: grouped weights, as PopART binds them
+(python/popart/popart_core/popart.cpp; the arithmetic is :mod:`popart_kit._model.variables`).
+``popart.CommGroup`` / ``popart.CommGroupType`` are the session options' (a VariableSettings
+takes any CommGroup). ``getReplicaGrouping`` returns a
 :class:`~popart_kit._model.variables.ReplicaGrouping` (PopART's popart._internal.ir one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._model.variables import ReplicaGrouping
 from .._model.variables import VariableSettings as _KitSettings
 from ._core import ENUMS
 from ._options import STRUCTS
 
-__all__ = ["VariableSettings", "ReplicaGrouping"]
+__all__ = ["VariableSettings"]
 
 _FORMS = ("VariableSettings(), VariableSettings(sharedVariableDomain_: CommGroup), "
           "VariableSettings(retrievalMode_: VariableRetrievalMode), "

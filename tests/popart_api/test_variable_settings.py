@@ -109,7 +109,7 @@ def test_builder_records_the_grouping_as_popart_does():
 
 # -- sessions -----------------------------------------------------------------------------------
 
-def session(replicas, vs, w_value, optimizer, reduction="Sum", strategy="Post", rng=None):
+def session(replicas, vs, w_value, optimizer, reduction="Sum", strategy="Post"):
     """loss = sum((w * x)^2) per replica: dloss/dw = 2 w x^2, read at the replica's own w."""
     b = popart.Builder()
     w = (b.addInitializedInputTensor(w_value, vs, "w") if vs is not None

@@ -40,12 +40,8 @@ from jax import lax
 
 from .ops import _popart_relu
 
-__all__ = ["ACTIVATIONS", "INTRA_OP_THREADS", "NCHWC", "available", "block_size", "conv",
+__all__ = ["ACTIVATIONS", "NCHWC", "available", "block_size", "conv",
            "layout_for", "session_for"]
-
-#: onnxruntime's intra-op threads per session (None: one per CPU this process may run on, as
-#: XLA's own pool).
-INTRA_OP_THREADS: int | None = None
 
 #: Sessions by key; created under :data:`_LOCK` (pipeline stages run in threads).
 _SESSIONS: dict[tuple, Any] = {}
@@ -169,7 +165,7 @@ def _options() -> Any:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.intra_op_num_threads = INTRA_OP_THREADS or (
+    options.intra_op_num_threads = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options

@@ -1651,8 +1651,7 @@ _nll_log.defvjp(_nll_log_fwd, _nll_log_bwd)
 
 def _popart_info(x: Any) -> str:
     """A tensor's type and shape as PopART's TensorInfo prints them: ``FLOAT   [2 4 3]``."""
-    name = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16",
-            "float64": "DOUBLE", "bool": "BOOL"}.get(str(x.dtype), str(x.dtype).upper())
+    name = TensorProto.DataType.Name(helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype)))
     return f"{name:<8}[{' '.join(str(d) for d in jnp.shape(x))}]"
 
 

@@ -45,7 +45,8 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   multiply-adds (3x3 32->32 at 16x16: 0.6-0.7x, the callback's fixed tens of microseconds),
   grouped ones of 16 or more channels per group (0.65-1.1x ``split``), ``shifted`` ones
   (depthwise 3x3 at 28x28x128 batch 8: 0.3-0.6x; MNIST's 1->32 k5: 0.2-0.9x), 1-D and 3-D
-  (not measured). A Conv whose only reader is a Relu runs with MLAS's Relu in the same call
+  (not measured). A Conv whose only reader is a Relu runs with MLAS's Relu in the same call (not
+  inside a pipeline stage, whose every output is kept)
   (:func:`conv_relu`, lowering.py's ``FUSIONS``; onnxruntime fuses them alike): against the
   Relu as a pass over MLAS's output, 4->64 k4 s2 1.15-1.25x raw and 1.4-2x through a session,
   the ResNet 3x3 about even to 1.1x, grouped 1.0-1.4x; its gradient unchanged (about even).
@@ -229,16 +230,24 @@ def _xla_conv(x: Any, w: Any, b: Any, strides: Sequence[int],
     return _channel_bias(y, b)
 
 
-@op("Conv", check=_check_auto_pad)
-def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
-    """ONNX Conv, lowered by :func:`lowering_for`."""
+def _mlas_or_xla(ctx: Ctx, x: Any, w: Any, b: Any, activation: str | None) -> Any:
+    """The Conv ``ctx`` names by MLAS (with ``activation`` fused) where :func:`lowering_for`
+    says ``"mlas"``; else by XLA's lowering, or None when an activation was asked (the two
+    then run apart)."""
     strides, dilations, pads = _geometry(ctx, x.shape[2:], w.shape[2:])
     group = ctx.attr("group", 1)
     xla = functools.partial(_xla_conv, strides=strides, pads=pads, dilations=dilations,
                             group=group)
     if lowering_for(x.shape, w.shape, group, x.dtype) == "mlas":
-        return conv_mlas.conv(x, w, b, strides, pads, dilations, group, xla)
-    return xla(x, w, b)
+        return conv_mlas.conv(x, w, b, strides, pads, dilations, group, xla,
+                              activation=activation)
+    return None if activation else xla(x, w, b)
+
+
+@op("Conv", check=_check_auto_pad)
+def conv(ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
+    """ONNX Conv, lowered by :func:`lowering_for`."""
+    return _mlas_or_xla(ctx, x, w, b, None)
 
 
 def conv_relu(conv_ctx: Ctx, relu_ctx: Ctx, x: Any, w: Any, b: Any = None) -> Any:
@@ -246,13 +255,7 @@ def conv_relu(conv_ctx: Ctx, relu_ctx: Ctx, x: Any, w: Any, b: Any = None) -> An
     where the Conv takes the ``"mlas"`` lowering (the lowering's fusion table,
     lowering.py); its gradient is the Relu's (from the output) then the XLA lowering's.
     None (the two run apart) for every other lowering: XLA fuses the Relu itself there."""
-    group = conv_ctx.attr("group", 1)
-    if lowering_for(x.shape, w.shape, group, x.dtype) != "mlas":
-        return None
-    strides, dilations, pads = _geometry(conv_ctx, x.shape[2:], w.shape[2:])
-    xla = functools.partial(_xla_conv, strides=strides, pads=pads, dilations=dilations,
-                            group=group)
-    return conv_mlas.conv(x, w, b, strides, pads, dilations, group, xla, activation="Relu")
+    return _mlas_or_xla(conv_ctx, x, w, b, "Relu")
 
 
 @op("ConvTranspose", check=_check_auto_pad)

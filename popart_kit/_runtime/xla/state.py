@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
-import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
 from ..._base.shapes import StepShape
 from ...errors import NonFiniteUpdate
 from .host_exchange import sum_over_instances
+from .placement import PROCESS
 
 __all__ = ["SessionState", "RandomSeed", "Reduction", "reduce_gradients", "apply_update",
            "finite_flags", "all_finite", "check_finite"]
@@ -109,7 +109,7 @@ class Reduction:
 def reduce_gradients(grads: Mapping[str, Any], reduction: Reduction) -> dict[str, Any]:
     """An update's gradient reduced over every replica of every instance (inside a program)."""
     if reduction.axes and reduction.flat:  # over instances: shared memory on one host
-        grads = sum_over_instances(grads, reduction.axes, "process")
+        grads = sum_over_instances(grads, reduction.axes, PROCESS)
     elif reduction.axes:
         grads = jax.lax.psum(dict(grads), reduction.axes)
     own = dict(reduction.divisors)

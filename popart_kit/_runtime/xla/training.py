@@ -47,6 +47,7 @@ from .lowering import recomputation
 from .ops import UnsupportedModel
 from .ops_random import draws_random
 from .pipeline import PipelineExecutor
+from .placement import PROCESS
 from .runtime import XlaBackend
 from .state import Reduction, SessionState, apply_update, finite_flags, reduce_gradients
 
@@ -128,7 +129,8 @@ class XlaTrainingBackend(XlaBackend):
         self._refuse_inference_batch_norms(loss)
         found = self._shapes(self.io.inputs, [loss])[loss]
         shape, self.loss_dtype = found.shape, np.dtype(found.dtype)
-        self.trained = [w for w in self.graph.trainable if w in self._loss_inputs(loss)
+        reads = self._loss_inputs(loss)
+        self.trained = [w for w in self.graph.trainable if w in reads
                         and w not in self.copy_updates]
         if self.als is not None:
             self._setup_loss_scaling()
@@ -651,7 +653,7 @@ class XlaTrainingBackend(XlaBackend):
         flags = finite_flags(work["losses_finite"], state.weights, self.trained)
         if self.placement.several:
             flags = min_over_instances(flags.astype(jnp.int32), self.placement.axes,
-                                       "process").astype(bool)
+                                       PROCESS).astype(bool)
         return flags
 
     def _memory_parts(self, temporaries: int) -> tuple[dict[str, int], dict[str, int]]:
