@@ -3,7 +3,8 @@
 Every way of running a session's step implements :class:`Executor`: ``prepare`` compiles for a
 state, and ``run`` takes the run's canonical host inputs, the committed :class:`~.state.
 SessionState` and the hyperparameters, and returns a :class:`StepResult` - the anchors (device
-arrays the backend copies to the host once, or host arrays), the new state (training) and the
+arrays the backend copies to the host once, or host arrays: a CPU run's large anchors, see
+:mod:`.anchor_memory`), the new state (training) and the
 finiteness flags (training, on the host) - without changing anything: the backend checks and
 commits. The backend wraps every executor's run in the same
 lock, profiling and peer-watching.
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .anchor_memory import RecycledAnchors
 from .placement import Placement
 from .state import SessionState
 from .steps import loop
@@ -115,12 +117,19 @@ def _indices(placement: Placement, count: int) -> list[Any]:
     return [placement.put_everywhere(np.int32(i)) for i in range(count)]
 
 
+def _recycled(step: StepFunctions, placement: Placement) -> RecycledAnchors:
+    return RecycledAnchors(placement, jax.eval_shape(step.work)["buffers"])
+
+
 class LoopedExecutor:
-    """The whole step as one compiled program: its updates and chunks looped inside it."""
+    """The whole step as one compiled program: its updates and chunks looped inside it. The
+    program's last argument is the donated memory of the large anchors (see
+    :mod:`.anchor_memory`), which it writes them into."""
 
     def __init__(self, step: StepFunctions, placement: Placement) -> None:
         self.step, self.placement = step, placement
         self.programs: list[Any] = []
+        self.recycled = _recycled(step, placement)
 
     def _whole(self, state: SessionState, hyper: Any, inputs: Any) -> Any:
         """The step; inference gives back no state (returning the weights would copy them
@@ -155,29 +164,33 @@ class LoopedExecutor:
     def prepare(self, state: SessionState, hyper: Any) -> None:
         f = self.step
         inputs = self.placement.abstract(f.inputs, f.stream_axes)
+        slots = self.recycled.abstract()  # empty off one CPU device: spmd never sees any
         if f.training:
             program = jax.jit(self.placement.spmd(
-                self._whole, (None, None, f.stream_axes), (None, f.buffer_axes, None)))
-            self.programs = [program.lower(state, hyper, inputs).compile()]
+                lambda s, h, x, _: self._whole(s, h, x), (None, None, f.stream_axes, None),
+                (None, f.buffer_axes, None)), donate_argnums=3, keep_unused=True)
+            self.programs = [program.lower(state, hyper, inputs, slots).compile()]
             return
         # inference takes the weights alone: each argument is a cost of every call
         program = jax.jit(self.placement.spmd(
-            lambda w, x: self._whole(SessionState(w), None, x)[1],
-            (None, f.stream_axes), f.buffer_axes))
-        self.programs = [program.lower(state.weights, inputs).compile()]
+            lambda w, x, _: self._whole(SessionState(w), None, x)[1],
+            (None, f.stream_axes, None), f.buffer_axes), donate_argnums=2, keep_unused=True)
+        self.programs = [program.lower(state.weights, inputs, slots).compile()]
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
             hyper: Any) -> StepResult:
         device = self.placement.put(inputs, self.step.stream_axes)
+        slots = self.recycled.slots()
         if not self.step.training:
-            return StepResult(_results(self.placement, self.programs[0](state.weights, device),
-                                       None)[0])
-        new, buffers, flags = self.programs[0](state, hyper, device)
+            buffers = self.programs[0](state.weights, device, slots)
+            return StepResult(self.recycled.hand_out(_results(self.placement, buffers,
+                                                              None)[0]))
+        new, buffers, flags = self.programs[0](state, hyper, device, slots)
         anchors, flags = _results(self.placement, buffers, flags)
-        return StepResult(anchors, new, flags)
+        return StepResult(self.recycled.hand_out(anchors), new, flags)
 
     def close(self) -> None:
-        pass
+        self.recycled.clear()
 
 
 class HostDrivenExecutor:
@@ -189,8 +202,10 @@ class HostDrivenExecutor:
         self.step, self.placement = step, placement
         self.programs: list[Any] = []
         self._indices: list[Any] = []
+        self.recycled = _recycled(step, placement)
 
-    def _init(self, state: SessionState) -> Any:
+    def _init(self, state: SessionState, slots: Any) -> Any:
+        """A run's fresh work, its large anchors in the donated ``slots``."""
         work = self.step.work()
         if self.step.training:
             work["grads"] = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), self._grads)
@@ -219,8 +234,10 @@ class HostDrivenExecutor:
             self._grads = dict(jax.eval_shape(
                 lambda s, w, h, x: f.chunk(s, w, h, x, jnp.int32(0), jnp.int32(0))[0],
                 state, f.work(), hyper, inputs))
-        init = jax.jit(self._init).lower(state).compile()
-        work = jax.eval_shape(self._init, state)
+        slots = self.recycled.abstract()
+        init = jax.jit(self._init, donate_argnums=1, keep_unused=True).lower(
+            state, slots).compile()
+        work = jax.eval_shape(self._init, state, slots)
         chunk = jax.jit(self._chunk, donate_argnums=(1,)).lower(
             state, work, hyper, inputs, index, index).compile()
         programs = [init, chunk]
@@ -237,7 +254,7 @@ class HostDrivenExecutor:
         f = self.step
         device = self.placement.put(inputs, f.stream_axes, resident=True)
         init, chunk, *rest = self.programs
-        work = init(state)
+        work = init(state, self.recycled.slots())
         for u in self._indices[:f.updates]:
             for k in self._indices[:f.chunks]:
                 work = chunk(state, work, hyper, device, u, k)
@@ -245,7 +262,8 @@ class HostDrivenExecutor:
                 state, work = rest[0](state, work, hyper, u)
         flags = rest[-1](state, work) if f.flags is not None else None
         anchors, flags = _results(self.placement, work["buffers"], flags)
-        return StepResult(anchors, state if f.training else None, flags)
+        return StepResult(self.recycled.hand_out(anchors), state if f.training else None,
+                          flags)
 
     def close(self) -> None:
-        pass
+        self.recycled.clear()

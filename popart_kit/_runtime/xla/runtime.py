@@ -409,10 +409,11 @@ class XlaBackend:
         then committed in one assignment (an exception anywhere leaves the session as it
         was).
 
-        The anchors are fresh writable arrays, each the one copy of the run's device buffer
-        (two runs never share one); ``copy=False`` gives read-only views of the buffers where
-        the device's memory is the host's (CPU), for a caller that copies them on itself
-        (PopART's PyStepIO writes into the user's arrays)."""
+        The anchors are writable arrays of their own (no two live ones share memory): on one
+        CPU device a large one is the run's own result buffer (:mod:`.anchor_memory`), the
+        rest one copy of it; ``copy=False`` gives read-only views of the rest where the
+        device's memory is the host's (CPU), for a caller that copies them on itself (PopART's
+        PyStepIO writes into the user's arrays)."""
         self.io.check_inputs(inputs)
         with self._lock:
             if not self.prepared:
