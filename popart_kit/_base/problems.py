@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ..errors import Invalid, InvalidConfig, InvalidData, InvalidModel
 
 __all__ = ["Problem", "PopartKitWarning", "raise_errors", "emit_warnings", "warn",
+           "popart_vector",
            "popart_rules", "under_popart_rules", "user_stacklevel"]
 
 
@@ -161,3 +162,8 @@ def warn(message: str, category: type[Warning] = PopartKitWarning,
     """``warnings.warn`` attributed to the first frame outside popart_kit (the user's code),
     whatever the depth of the kit's call stack; ``stacklevel`` overrides it."""
     warnings.warn(message, category, stacklevel=stacklevel or user_stacklevel())
+
+
+def popart_vector(items: Iterable[Any]) -> str:
+    """A vector or set as PopART's messages print it (util.hpp appendSequence): ``[a b c]``."""
+    return "[" + " ".join(str(i) for i in items) + "]"

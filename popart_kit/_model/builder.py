@@ -23,6 +23,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from .._base.atomic import write_atomic
+from .._base.problems import popart_vector
 from .builder_base import (
     BuilderError,
     Scope,
@@ -332,10 +333,6 @@ def _known_shape(builder: Builder, tensor: str) -> list[int] | None:
         return None
 
 
-def _vector(values: Sequence[int]) -> str:
-    """A shape as PopART prints one: ``[64 64]``."""
-    return "[" + " ".join(str(v) for v in values) + "]"
-
 
 def _verify_conv(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, Any]) -> None:
     """PopART's checks when a Conv is added (willow/src/builder_helper.cpp verifyConvBase and
@@ -348,8 +345,9 @@ def _verify_conv(builder: Builder, inputs: Sequence[str], attrs: Mapping[str, An
     weights = _known_shape(builder, inputs[1])
     kernel = weights[2:] if weights is not None else []
     if weights is not None and "kernel_shape" in attrs and list(attrs["kernel_shape"]) != kernel:
-        raise BuilderError(f"kernel_shape, {_vector(attrs['kernel_shape'])}, does not match "
-                           f"inferred shape from weight input '{inputs[1]}', {_vector(kernel)}")
+        raise BuilderError(f"kernel_shape, {popart_vector(attrs['kernel_shape'])}, does not "
+                           f"match inferred shape from weight input '{inputs[1]}', "
+                           f"{popart_vector(kernel)}")
     _verify_window(builder, inputs[0], attrs, kernel)
 
 
@@ -394,7 +392,7 @@ def _verify_window(builder: Builder, data_id: str, attrs: Mapping[str, Any], ker
         out.append(quotient + 1)
     if any(size < 0 for size in out):
         raise BuilderError(f"Window parameter values combine to give invalid spatial output "
-                           f"shape: {_vector(out)}")
+                           f"shape: {popart_vector(out)}")
 
 
 class _AiGraphcore:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 from google.protobuf.message import DecodeError
 
-from .._base.problems import Problem, emit_warnings, raise_errors
+from .._base.problems import Problem, emit_warnings, popart_vector, raise_errors
 from .._base.schedule import depth_text
 from ..errors import ModelError, ModelTypeError, short
 from .builder_settings import EXECUTION_PHASE
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .._config.fields import SessionFields
 
 __all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "allocation_view",
-           "load_model", "opid", "popart_vector"]
+           "load_model", "opid"]
 
 PIPELINE_STAGE = "__pipeline_stage"
 VIRTUAL_GRAPH = "__ipu_number"
@@ -331,10 +331,6 @@ def opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
         version = opset
     return f"{domain}.{node.op_type}:{version}"
 
-
-def popart_vector(items: Sequence[Any]) -> str:
-    """A vector or set as PopART's logging prints it (util.hpp appendSequence): [a b c]."""
-    return "[" + " ".join(str(i) for i in items) + "]"
 
 
 def _int_attribute(node: onnx.NodeProto, name: str) -> int | None:

@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .._base.problems import popart_vector
+
 __all__ = ["PopartRefusal", "ALWAYS_CHECKED", "BUILDER_RULES", "SETUP_RULES", "first_refusal",
            "first_setup_refusal", "node_types", "onnx_types", "tensor_data_text"]
 
@@ -93,9 +95,6 @@ def _type_name(elem: int) -> str:
     return TensorProto.DataType.Name(elem)
 
 
-def _dims(shape: Shape) -> str:
-    return "[" + " ".join(str(d) for d in shape) + "]"
-
 
 def np_out(node: Node, s0: Shape, s1: Shape) -> Shape:
     """numpy broadcasting of two shapes, refused in PopART's words (tensorinfo.cpp npOut)."""
@@ -115,7 +114,7 @@ def _same_type(node: Node, t0: Typed, t1: Typed) -> None:
     if t0[0] != t1[0]:
         raise PopartRefusal(f"np broadcasting failed on {node.op()}, incompatible types "
                             f"{_type_name(t0[0])} and {_type_name(t1[0])} (shapes "
-                            f"{_dims(t0[1])} and {_dims(t1[1])})")
+                            f"{popart_vector(t0[1])} and {popart_vector(t1[1])})")
 
 
 def _binary(node: Node) -> list[Typed]:
@@ -222,10 +221,10 @@ def _reshape(node: Node) -> list[Typed]:
     n_in, n_out = int(np.prod(t0[1], dtype=np.int64)), int(np.prod(shape, dtype=np.int64))
     if n_in != n_out:
         raise PopartRefusal(f"Failure in ReshapeOp::setup() for {node.debug_name()}. Trying to "
-                            f"reshape from {_dims(t0[1])} to {_dims(shape)}. The number of "
-                            f"elements of the input is {n_in}, while the number of elements of "
-                            f"the output is {n_out}. The number of elements cannot change for "
-                            f"a ReshapeOp")
+                            f"reshape from {popart_vector(t0[1])} to {popart_vector(shape)}. The "
+                            f"number of elements of the input is {n_in}, while the number of "
+                            f"elements of the output is {n_out}. The number of elements cannot "
+                            f"change for a ReshapeOp")
     return [(t0[0], tuple(shape))]
 
 
@@ -241,8 +240,8 @@ def _matmul(node: Node) -> list[Typed]:
     rhs = list(t1[1]) + ([1] if len(t1[1]) == 1 else [])
     if lhs[-1] != rhs[-2]:
         raise PopartRefusal(f"{node.debug_name()} contracting dimensions unequal: lhs "
-                            f"'{node.proto.input[0]}' {_dims(lhs)}, rhs '{node.proto.input[1]}' "
-                            f"{_dims(rhs)}")
+                            f"'{node.proto.input[0]}' {popart_vector(lhs)}, rhs "
+                            f"'{node.proto.input[1]}' {popart_vector(rhs)}")
     out = list(np_out(node, tuple(lhs[:-2]), tuple(rhs[:-2])))
     out += ([lhs[-2]] if len(t0[1]) > 1 else []) + ([rhs[-1]] if len(t1[1]) > 1 else [])
     return [(t0[0], tuple(out))]
@@ -254,9 +253,9 @@ def _transpose(node: Node) -> list[Typed]:
     (t0,) = node.known(0)
     perm = list(node.attrs.get("perm", [])) or list(range(len(t0[1])))[::-1]
     if len(perm) != len(t0[1]):
-        raise PopartRefusal(f"Rank of permutation tensor {_dims(perm)}, rank {len(perm)} must "
-                            f"be equal to rank of input tensor, shape {_dims(t0[1])}, rank "
-                            f"{len(t0[1])}.")
+        raise PopartRefusal(f"Rank of permutation tensor {popart_vector(perm)}, rank "
+                            f"{len(perm)} must be equal to rank of input tensor, shape "
+                            f"{popart_vector(t0[1])}, rank {len(t0[1])}.")
     return [(t0[0], tuple(t0[1][p] for p in perm))]
 
 
@@ -274,11 +273,11 @@ def _concat(node: Node) -> list[Typed]:
     for i, (_, shape) in enumerate(typed):
         if len(shape) != rank:
             raise PopartRefusal(f"Input {i} of {len(typed)} to concat does not have matching "
-                                f"output rank. Input {i} has rank {len(shape)} ({_dims(shape)}) "
-                                f"while the output has rank {rank} ({_dims(out)}).Concat axis "
-                                f"{axis}.")
+                                f"output rank. Input {i} has rank {len(shape)} "
+                                f"({popart_vector(shape)}) while the output has rank {rank} "
+                                f"({popart_vector(out)}).Concat axis {axis}.")
         if shape[:axis] != tuple(out[:axis]) or shape[axis + 1:] != tuple(out[axis + 1:]):
-            shapes = "".join("\n" + _dims(t[1]) for t in typed)
+            shapes = "".join("\n" + popart_vector(t[1]) for t in typed)
             raise PopartRefusal(f"Input {i} to concat does not have matching shape. In "
                                 f"ConcatOp::getOutputShape, axis = {axis} and shapes : {shapes}")
         out[axis] += shape[axis]
@@ -488,8 +487,8 @@ def _batch_norm_setup(node: Node) -> list[Typed | None]:
         (t,) = node.known(index)
         if tuple(t[1]) != tuple(expected):
             raise PopartRefusal(f"expected shape of batch norm input tensor {name} "
-                                f"({_dims(t[1])}) to be {_dims(expected)} to match {match} of "
-                                f"X ({_dims(x[1])})")
+                                f"({popart_vector(t[1])}) to be {popart_vector(expected)} to "
+                                f"match {match} of X ({popart_vector(x[1])})")
     return _batch_norm(node)
 
 

@@ -36,9 +36,10 @@ from typing import Any
 import onnx
 
 from .._base.names import GRADIENT_PREFIX
+from .._base.problems import popart_vector
 from .._base.schedule import depth_text
 from .._model.builder_settings import EXCLUDE_PATTERNS, RECOMPUTE_OUTPUT
-from .._model.layout import PipelineLayout, opid, popart_vector
+from .._model.layout import PipelineLayout, opid
 from ._core import PATTERNS, Patterns, popart_exception
 
 __all__ = ["check_program", "PATTERN_NAMES", "NEEDS_PATTERN"]

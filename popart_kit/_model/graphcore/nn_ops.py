@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
+from ..._base.problems import popart_vector
 from ..builder_base import BuilderError
 from ..builder_settings import AVAILABLE_MEMORY, COMM_GROUP, PARTIALS_TYPE
 from ._registry import REQUIRED, GraphcoreOp, TensorType, register
@@ -37,10 +38,6 @@ def _bound(value: Any) -> None:
     """A parameter its operator's ``bind`` turns into attributes itself."""
     return None
 
-
-def _vector(values: Sequence[int]) -> str:
-    """A shape as PopART prints one: ``[64 64]``."""
-    return "[" + " ".join(str(v) for v in values) + "]"
 
 
 def _inputs(args: Any) -> list[str]:
@@ -101,7 +98,7 @@ def _verify_window(name: str, data: list[int], weights: list[int] | None,
                             full["strides"], full["dilations"], full["inDilations"])
     if any(size < 0 for size in out):
         raise BuilderError(f"Window parameter values combine to give invalid spatial output "
-                           f"shape: {_vector(out)}")
+                           f"shape: {popart_vector(out)}")
 
 
 def _int_lists(value: Any, what: str) -> list[list[int]]:
@@ -268,7 +265,7 @@ def _log_probabilities(op: str, given: TensorType) -> TensorType:
     if shape is not None and len(shape) != 3:
         raise ValueError(f"Unsupported shape for input 0 of Op {op} (expected a "
                          f"'logarithmized probabilities' tensor of rank 3, got a tensor with "
-                         f"shape {_vector(shape)}).")
+                         f"shape {popart_vector(shape)}).")
     return dtype, shape
 
 

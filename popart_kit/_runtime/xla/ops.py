@@ -31,6 +31,7 @@ import onnx
 from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
+from ..._base.problems import popart_vector
 from ..._model.popart_types import tensor_data_text
 from ...errors import ModelError
 
@@ -1652,7 +1653,7 @@ _nll_log.defvjp(_nll_log_fwd, _nll_log_bwd)
 def _popart_info(x: Any) -> str:
     """A tensor's type and shape as PopART's TensorInfo prints them: ``FLOAT   [2 4 3]``."""
     name = TensorProto.DataType.Name(helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype)))
-    return f"{name:<8}[{' '.join(str(d) for d in jnp.shape(x))}]"
+    return f"{name:<8}{popart_vector(jnp.shape(x))}"
 
 
 @op("Nll", domain=GRAPHCORE, check=_check_popart_reduction)

@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from ..._base.problems import popart_vector
 from .ops import GRAPHCORE, Ctx, NotSupported, np_dtype, op
 
 __all__ = ["RANDOM_STREAM", "RANDOM_OPS", "draws_random", "random_scope", "random_subscope",
@@ -143,9 +144,6 @@ def _opid(ctx: Ctx) -> str:
     return f"ai.onnx.{ctx.op_type}:{onnx.defs.get_schema(ctx.op_type, ctx.opset).since_version}"
 
 
-def _shape_text(shape: Any) -> str:
-    return "[" + " ".join(str(int(d)) for d in shape) + "]"
-
 
 def _training() -> bool:
     scope = _SCOPE.get()
@@ -218,8 +216,8 @@ def shaped_dropout(ctx: Ctx, x: Any) -> Any:
         fits = False
     if not fits:
         raise _refusal(f"ShapedDropout: incompatible input tensor and dropout shape. "
-                       f"{_opid(ctx)} is configured with shape {_shape_text(shape)} which is not "
-                       f"broadcastable to the input tensor with shape {_shape_text(x.shape)}.",
+                       f"{_opid(ctx)} is configured with shape {popart_vector(shape)} which is not "
+                       f"broadcastable to the input tensor with shape {popart_vector(x.shape)}.",
                        "give a mask shape that broadcasts to the input's (each dimension "
                        "the input's or 1).")
     ratio = float(ctx.attr("ratio", 0.5))
