@@ -523,6 +523,27 @@ def test_initializers_saved_externally_load_from_the_model_s_folder(tmp_path, mo
         b.saveInitializersExternally([x], "other.bin")
 
 
+def test_saving_initializers_externally_is_all_or_nothing(tmp_path, monkeypatch):
+    """A refusal (PopART's words) leaves the model and the file system as they were: a tensor
+    named twice, after one that would have moved; the same through the GraphTransformer."""
+    import popart_kit.popart as popart
+
+    monkeypatch.chdir(tmp_path)
+    b = popart.Builder()
+    b.addInputTensor(popart.TensorInfo("FLOAT", [1, 3]))
+    w = b.addInitializedInputTensor(np.ones((3, 3), np.float32))
+    v = b.addInitializedInputTensor(np.zeros((3,), np.float32))
+    before = b.getModelProto()
+    with pytest.raises(popart.popart_exception,
+                       match=f"Tensor '{v}' already has an external data_location"):
+        b.saveInitializersExternally([w, v, v], "weights.bin")
+    assert b.getModelProto() == before and not (tmp_path / "weights.bin").exists()
+    transformer = popart.GraphTransformer(before)
+    with pytest.raises(popart.popart_exception, match="parent directory does not exist"):
+        transformer.saveInitializersExternally([w], "missing/weights.bin")
+    assert transformer.getModelProto() == before
+
+
 def test_a_constant_of_any_type_is_typed_by_its_value_at_every_opset():
     """PopART's ConstantOp takes any tensor: an INT64 constant under opset 8, where ONNX's
     Constant-1 lists float types only, is typed INT64 with the value's shape."""

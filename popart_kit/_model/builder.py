@@ -14,13 +14,12 @@ import contextlib
 import enum
 import functools
 import operator
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from .._base.atomic import write_atomic
 from .._base.problems import popart_vector
@@ -38,7 +37,7 @@ from .builder_subgraphs import SubgraphBuilding, control_method, control_methods
 from .builder_subgraphs import call as subgraph_call
 from .custom_ops import custom_op
 from .graphcore import GRAPHCORE_OPS, REQUIRED
-from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout
+from .layout import PIPELINE_STAGE, VIRTUAL_GRAPH, PipelineLayout, save_popart_external_data
 from .onnx_ops import OpSignature, signatures
 from .popart_types import PopartRefusal, node_types
 from .variables import VariableSettings, record_settings
@@ -847,34 +846,13 @@ class Builder(NodeSettings, SubgraphBuilding):
 
     def saveInitializersExternally(self, ids: Sequence[str], fn: str) -> None:
         """PopART's: the data of initializers ``ids`` moves to the file ``fn`` (written whole,
-        one after another) and the model refers to it (ONNX external data, location ``fn``).
-        A session reads such a model from a file: save it with saveModelProto so that ``fn``
-        is relative to its folder (the kit reads external data only from there)."""
-        folder = os.path.dirname(fn)
-        if folder and not os.path.isdir(folder):
-            raise BuilderError(f"Saving tensor data to file {fn}, but its parent directory "
-                               f"does not exist")
-        found = {t.name: t for t in self._graph.initializer}
-        for tensor_id in ids:
-            if tensor_id not in found:
-                raise BuilderError(f"Tensor '{tensor_id}' is not an initializer")
-            if found[tensor_id].data_location == onnx.TensorProto.EXTERNAL:
-                raise BuilderError(f"Tensor '{tensor_id}' already has an external "
-                                   f"data_location")  # onnxutil.cpp:504
-        blob = bytearray()
-        for tensor_id in dict.fromkeys(ids):
-            tensor = found[tensor_id]
-            raw = numpy_helper.to_array(tensor).tobytes()
-            offset = len(blob)
-            blob += raw
-            kept = onnx.TensorProto(name=tensor.name, dims=tensor.dims,
-                                    data_type=tensor.data_type, raw_data=raw)
-            external_data_helper.set_external_data(kept, location=fn, offset=offset,
-                                                   length=len(raw))
-            kept.ClearField("raw_data")
-            kept.data_location = onnx.TensorProto.EXTERNAL
-            tensor.CopyFrom(kept)
-        write_atomic(fn, bytes(blob))
+        one after another) and the model refers to it (ONNX external data, location ``fn``);
+        refused in PopART's words, changing nothing. A session reads such a model from a
+        file: save it with saveModelProto so that ``fn`` is relative to its folder (the kit
+        reads external data only from there)."""
+        problem = save_popart_external_data(self._graph, ids, fn)
+        if problem:
+            raise BuilderError(problem)
 
     def _tensor_type(self, tensor_id: str) -> onnx.TypeProto.Tensor:
         if tensor_id not in self._types:

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import numpy_helper
 
+from .._base.atomic import write_atomic
 from .._base.problems import Problem, emit_warnings, popart_vector, raise_errors
 from .._base.schedule import depth_text
 from ..errors import ModelError, ModelTypeError, short
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from .._config.fields import SessionFields
 
 __all__ = ["PipelineLayout", "StagedOp", "PIPELINE_STAGE", "VIRTUAL_GRAPH", "allocation_view",
-           "load_model", "opid"]
+           "load_model", "opid", "save_popart_external_data"]
 
 PIPELINE_STAGE = "__pipeline_stage"
 VIRTUAL_GRAPH = "__ipu_number"
@@ -215,6 +217,39 @@ def read_popart_external_data(model: onnx.ModelProto,
         tensor.data_location = onnx.TensorProto.DEFAULT
         tensor.raw_data = data
     return model
+
+
+def save_popart_external_data(graph: onnx.GraphProto, ids: Sequence[str], fn: str) -> str:
+    """PopART's saveInitializersExternally (onnxutil.cpp:442), all or nothing: the data of
+    the initializers ``ids`` moves to the file ``fn`` (replaced whole, one tensor after
+    another) and each refers to it (:meth:`ExternalInfo.entries`, location ``fn`` as given).
+    Returns PopART's refusal, the graph and the file left as they were - a missing parent
+    folder, a tensor that is not an initializer, one already external (or named twice), one
+    without data - or "" when done."""
+    folder = os.path.dirname(fn)
+    if folder and not os.path.isdir(folder):
+        return f"Saving tensor data to file {fn}, but its parent directory does not exist"
+    found = {t.name: t for t in graph.initializer}
+    blob, moved = bytearray(), {}
+    for tensor_id in ids:
+        tensor = found.get(tensor_id)
+        if tensor is None:
+            return f"Tensor '{tensor_id}' is not an initializer"
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor_id in moved:
+            return f"Tensor '{tensor_id}' already has an external data_location"
+        raw = numpy_helper.to_array(tensor).tobytes()
+        if not raw:
+            return f"Tensor '{tensor_id}' has no data to save externally"
+        moved[tensor_id] = ExternalInfo(fn, len(blob), len(raw))
+        blob += raw
+    write_atomic(fn, bytes(blob))
+    for tensor_id, info in moved.items():
+        tensor = found[tensor_id]
+        kept = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
+                                data_location=onnx.TensorProto.EXTERNAL)
+        kept.external_data.extend(info.entries())
+        tensor.CopyFrom(kept)
+    return ""
 
 
 def _refuse_size(where: str, size: int) -> None:

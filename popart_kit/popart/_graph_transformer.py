@@ -11,15 +11,13 @@ with subgraph attributes (If, Loop, Scan bodies) and an INT64 value outside INT3
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .._base.atomic import write_atomic
-from .._model.layout import load_model
+from .._model.layout import load_model, save_popart_external_data
 from ._core import popart_exception
 
 __all__ = ["GraphTransformer"]
@@ -173,32 +171,9 @@ class GraphTransformer:
     def saveInitializersExternally(self, ids: Sequence[str], fn: str) -> None:
         """onnxutil.cpp:442 saveInitializersExternally: the data of initializers ``ids`` moves
         to the file ``fn`` (replaced whole; one tensor after another) and each refers to it
-        (location ``fn`` as given, length, offset). Refuses, in PopART's words, a missing
-        parent folder, a tensor that is not an initializer, one already external and one
-        without data."""
-        folder = os.path.dirname(fn)
-        if folder and not os.path.isdir(folder):
-            raise popart_exception(f"Saving tensor data to file {fn}, but its parent directory "
-                                   f"does not exist")
-        found = {t.name: t for t in self._model.graph.initializer}
-        blob, moved = bytearray(), []
-        for tensor_id in ids:
-            tensor = found.get(tensor_id)
-            if tensor is None:
-                raise popart_exception(f"Tensor '{tensor_id}' is not an initializer")
-            if tensor.data_location == TensorProto.EXTERNAL:
-                raise popart_exception(f"Tensor '{tensor_id}' already has an external "
-                                       f"data_location")
-            raw = numpy_helper.to_array(tensor).tobytes()
-            if not raw:
-                raise popart_exception(f"Tensor '{tensor_id}' has no data to save externally")
-            moved.append((tensor, len(blob), len(raw)))
-            blob += raw
-        write_atomic(fn, bytes(blob))
-        for tensor, offset, length in moved:
-            kept = TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
-                               data_location=TensorProto.EXTERNAL)
-            for key, value in (("location", fn), ("length", length), ("offset", offset)):
-                entry = kept.external_data.add()
-                entry.key, entry.value = key, str(value)
-            tensor.CopyFrom(kept)
+        (location ``fn`` as given, length, offset). Refuses, in PopART's words and changing
+        nothing, a missing parent folder, a tensor that is not an initializer, one already
+        external and one without data."""
+        problem = save_popart_external_data(self._model.graph, ids, fn)
+        if problem:
+            raise popart_exception(problem)
