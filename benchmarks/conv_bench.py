@@ -42,7 +42,7 @@ from jax import lax
 from onnx import helper, numpy_helper
 
 import popart_kit as pk
-from popart_kit._runtime.xla import conv_mlas, lowering, ops_conv
+from popart_kit._runtime.xla import conv_mlas, ops_conv
 from popart_kit._runtime.xla.lowering import lower
 from popart_kit._runtime.xla.ops_conv import lowering_for
 
@@ -107,12 +107,10 @@ def patched(module: object, name: str, value: object) -> Iterator[None]:
 def compiled(fn: Callable, *args: object, mlas: str = "chosen") -> Callable:
     """``fn`` compiled for ``args``: with the lowering ops_conv.py chooses (``"chosen"``), with
     onnxruntime counted unavailable (``"off"``: XLA's lowering), MLAS forced on every float32
-    4-D Conv (``"forced"``), or the lowering's fusions off (``"apart"``: give ``fn`` a graph
-    lowered for it alone, its fused plans are kept)."""
+    4-D Conv (``"forced"``)."""
     context = {"chosen": contextlib.nullcontext(),
                "off": patched(conv_mlas, "available", lambda: False),
-               "forced": patched(ops_conv, "mlas_wins", lambda x, w, g: len(x) == 4),
-               "apart": patched(lowering, "_FUSION_OPS", {})}[mlas]
+               "forced": patched(ops_conv, "mlas_wins", lambda x, w, g: len(x) == 4)}[mlas]
     with context:  # a new function each time: jax.jit would reuse an earlier trace of fn
         return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
 
@@ -139,13 +137,14 @@ def forward_row(repeat: int, row: str, dtype_name: str) -> None:
         return graph.evaluate(w, {"x": x}, ["y"])["y"]
 
     graph_apart = lower(model)
+    graph_apart.fused = False
 
     def lowered_apart(w, x):
         return graph_apart.evaluate(w, {"x": x}, ["y"])["y"]
 
     xd, wd = jnp.asarray(x), jnp.asarray(graph.weights["w"])
     raw = compiled(lowered, graph.weights, xd)
-    apart = compiled(lowered_apart, graph.weights, xd, mlas="apart")
+    apart = compiled(lowered_apart, graph.weights, xd)
     xla = compiled(lowered, graph.weights, xd, mlas="off")
     mlas = compiled(lowered, graph.weights, xd, mlas="forced")
     old = compiled(functools.partial(before, attrs=attrs), xd, wd)
@@ -189,6 +188,7 @@ def backward_row(repeat: int, row: str, dtype_name: str) -> None:
         return jnp.sum(before(x, w["w"], attrs).astype(jnp.float32) ** 2)
 
     graph_apart = lower(model)
+    graph_apart.fused = False
 
     def loss_apart(w, x):
         return jnp.sum(graph_apart.evaluate(w, {"x": x}, ["y"])["y"].astype(jnp.float32) ** 2)
@@ -196,7 +196,7 @@ def backward_row(repeat: int, row: str, dtype_name: str) -> None:
     xd, wd = jnp.asarray(x), {"w": jnp.asarray(graph.weights["w"])}
     grad = jax.grad(loss, argnums=(0, 1))
     new = compiled(grad, wd, xd)
-    apart = compiled(jax.grad(loss_apart, argnums=(0, 1)), wd, xd, mlas="apart")
+    apart = compiled(jax.grad(loss_apart, argnums=(0, 1)), wd, xd)
     xla = compiled(grad, wd, xd, mlas="off")
     old = compiled(jax.grad(old_loss, argnums=(0, 1)), wd, xd)
     want = old(wd, xd)

@@ -111,8 +111,11 @@ class LoweredGraph:
     a dimension without a fixed size); ``weights``: ``{name: array}`` of the initializers that
     are weights; ``constants``: the initializers and inputs folded in as compile-time values;
     ``outputs``: the graph outputs; ``tensors``: every tensor that can be anchored;
-    ``trainable``: the floating-point weights.
+    ``trainable``: the floating-point weights; ``fused``: whether the pairs :data:`FUSIONS`
+    offers are lowered together (set False to run them apart, for comparison).
     """
+
+    fused: bool = True
 
     def __init__(self, *, opset: int, inputs: dict[str, tuple[tuple[int | None, ...] | None,
                                                               np.dtype]],
@@ -198,6 +201,8 @@ class LoweredGraph:
         ``wanted`` (anchors, gradient anchors) nor a graph output, and both nodes are traced
         (not shape-derived) with the same partials type. The pair runs where the second
         stood (the first's other readers: none)."""
+        if not self.fused:
+            return self._plan(wanted)
         if wanted in self._fused_plans:
             return self._fused_plans[wanted]
         plan = self._plan(wanted)
