@@ -158,3 +158,26 @@ def test_a_training_step_hands_out_its_large_anchors_alike(bps):
         del out, y
     assert len(addresses) <= 2
     np.testing.assert_allclose(sess.weights()["w"], w, rtol=1e-4)
+
+
+def test_a_popart_program_gets_its_large_anchors_in_its_own_arrays_run_after_run():
+    """PyStepIO writes each run's anchor into the arrays of initAnchorArrays; the session's
+    view of the run's buffer is gone after the copy, so the buffer serves the next run."""
+    import popart_kit.popart as popart
+
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", list(SHAPE)))
+    w = b.addInitializedInputTensor(np.full(SHAPE[-1:], 3.0, np.float32))
+    y = b.aiOnnx.mul([x, w])
+    flow = popart.DataFlow(1, {y: popart.AnchorReturnType("All")})
+    session = popart.InferenceSession(b.getModelProto(), flow,
+                                      popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    anchors = session.initAnchorArrays()
+    held = anchors[y]
+    for seed in range(3):
+        session.run(popart.PyStepIO({x: _x(seed)}, anchors))
+        assert anchors[y] is held  # the program's own array, written in place
+        np.testing.assert_array_equal(held, _x(seed) * 3)
+    free = session._kit.runtime.executor.recycled._free[y]
+    assert len(free) == 1  # the last run's buffer, back for the next
