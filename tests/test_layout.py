@@ -263,3 +263,20 @@ def test_a_gap_in_inferred_stages_names_the_ipus():
     with pytest.raises(ValidationError, match="the IPUs \\(the stages PopART infers\\) used are "
                                               "\\[0, 2\\]"):
         layout.check(config(**PIPELINED))
+
+
+@pytest.mark.parametrize("opset", [-2**63, 2**40, 0])
+def test_an_opset_beyond_any_schema_is_named_not_crashed_on(opset):
+    """A staged model whose opset no ONNX schema has (negative, beyond a C int): the layout
+    reads it, naming the operator at the model's opset, or refuses it with the kit's error."""
+    nodes = [helper.make_node("Relu", ["x"], ["y"], __pipeline_stage=0, __ipu_number=0),
+             helper.make_node("Relu", ["y"], ["z"], __pipeline_stage=1, __ipu_number=1)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        layout = PipelineLayout.from_model(model)
+    except pk.PopartKitError:
+        return
+    assert layout.forward_stages == 2 and layout.stage_ipu == {0: 0, 1: 1}

@@ -362,7 +362,7 @@ def opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
                   if (o.domain or "ai.onnx") == domain), 0)
     try:
         version = onnx.defs.get_schema(node.op_type, opset, "").since_version
-    except onnx.defs.SchemaError:
+    except (onnx.defs.SchemaError, TypeError):  # no such operator; an opset beyond a C int
         version = opset
     return f"{domain}.{node.op_type}:{version}"
 
