@@ -1,10 +1,13 @@
 """Convolutions on the xla backend (CPU) against onnxruntime, forward and backward.
 
     python benchmarks/conv_bench.py [--repeat 9] [--only forward,backward] [--dtype fp32,fp16]
-                                    [--rows big,resnet3x3,...] [--stat median|min]
+                                    [--rows big,resnet3x3,...] [--stat median|min] [--block 5]
 
 Each row is one ONNX model, Conv + Relu (weights as initializers, the input fed), timed
-interleaved in one process (medians of --repeat, after a warm-up):
+interleaved in one process (medians of --repeat turns of --block calls each, after a warm-up;
+:func:`popart_kit.bench.interleaved`: a block times each in its own steady state, and keeps
+onnxruntime's spinning idle threads out of the next one's times; ``--block 1`` alternates
+single calls):
 
 * forward: onnxruntime's ``run``, the kit's ``InferenceSession.run`` at bps 1, the raw lowered
   op (``jax.jit`` of the lowered graph, no session around it), the same with the lowering's
@@ -67,12 +70,14 @@ DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 STAT = "median"
+BLOCK = 5
 
 
 def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
-    """Median (or ``--stat min``: fastest) seconds of each function, called in turn
-    (:func:`popart_kit.bench.interleaved`)."""
-    return {name: getattr(s, STAT) for name, s in pk.bench.interleaved(repeat, **fns).items()}
+    """Median (or ``--stat min``: fastest) seconds of each function, called in turn in
+    blocks of ``--block`` calls (:func:`popart_kit.bench.interleaved`)."""
+    return {name: getattr(s, STAT)
+            for name, s in pk.bench.interleaved(repeat, block=BLOCK, **fns).items()}
 
 
 def model_of(row: str, dtype: type) -> tuple[bytes, np.ndarray, dict]:
@@ -233,13 +238,16 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--stat", default="median", choices=["median", "min"],
                         help="min: the fastest call, steadier on a loaded machine")
+    parser.add_argument("--block", type=int, default=5,
+                        help="calls in a row per turn (1: single calls alternate)")
     args = parser.parse_args()
-    global STAT
-    STAT = args.stat
+    global STAT, BLOCK
+    STAT, BLOCK = args.stat, args.block
     dtypes, rows = args.dtype.split(","), args.rows.split(",")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f}, {os.cpu_count()} cpus, jax {jax.__version__}, "
-          f"onnxruntime {ort.__version__}, MLAS block {conv_mlas.block_size()}, {args.stat}s")
+          f"onnxruntime {ort.__version__}, MLAS block {conv_mlas.block_size()}, {args.stat}s of "
+          f"blocks of {BLOCK}")
     sections = {"forward": forward, "backward": backward}
     for name in args.only.split(","):
         sections[name](args.repeat, dtypes, rows)

@@ -2,7 +2,8 @@
 
     python benchmarks/runtime_bench.py [--repeat 15] [--only inference,training,...]
 
-Sections (every ratio comes from runs interleaved with their baseline, medians of --repeat):
+Sections (every ratio comes from runs interleaved with their baseline in blocks of 5 calls,
+medians of --repeat blocks):
 
 * per_run: the fixed cost of a run, an MLP 784-256-256-10 at bps 1, micro-batch 32, against
   onnxruntime (goal >= 1x).
@@ -49,10 +50,13 @@ from popart_kit._runtime.xla import compilation_cache, placement
 MICRO_BATCH = 32
 
 
-def interleaved(repeat: int, **fns: Callable[[], object]) -> dict[str, float]:
-    """Median seconds of each function, called in turn ``repeat`` times after one warm-up
-    (:func:`popart_kit.bench.interleaved`)."""
-    return {name: s.median for name, s in pk.bench.interleaved(repeat, **fns).items()}
+def interleaved(repeat: int, block: int = 5, **fns: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each function, called in turn ``repeat`` times in blocks of
+    ``block`` calls after one warm-up (:func:`popart_kit.bench.interleaved`: a block times each
+    in its own steady state, and keeps onnxruntime's spinning idle threads out of the next
+    one's times)."""
+    return {name: s.median
+            for name, s in pk.bench.interleaved(repeat, block=block, **fns).items()}
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ def per_run(repeat: int) -> None:
     sess = pk.InferenceSession(model, inference_cfg(1), backend="xla")
     inputs = sess.io.allocate_inputs("random")
     x = inputs["x"].reshape(sess.io.inputs["x"].shape)
-    t = interleaved(max(repeat, 200), session=functools.partial(sess.run, inputs),
+    t = interleaved(max(repeat, 20), block=10, session=functools.partial(sess.run, inputs),
                     ort=lambda: ort_session.run(None, {"x": x}))
     print(f"\nper run: MLP 784-256-256-10 inference at bps 1, micro-batch {MICRO_BATCH}: "
           f"session {t['session'] * 1e6:.0f} us, onnxruntime {t['ort'] * 1e6:.0f} us: "

@@ -200,3 +200,15 @@ def test_a_toml_spec_reads_as_the_yaml_one(tmp_path):
     found, _ = pk.bench.from_spec(spec)
     assert [(v.name, v.model, v.replication) for v in found] == [("s_r1", "convnet", 1),
                                                                  ("s_r2", "convnet", 2)]
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_interleaved_times_each_function_in_turns_of_blocks(block):
+    """warmup calls, then per turn each function in turn: with block > 1 one call not timed,
+    then ``block`` timed calls in a row; every timed call counted once."""
+    calls: list[str] = []
+    stats = pk.bench.interleaved(2, warmup=1, block=block, a=lambda: calls.append("a"),
+                                 b=lambda: calls.append("b"))
+    turn = ["a"] * (block + (block > 1)) + ["b"] * (block + (block > 1))
+    assert calls == ["a", "b"] + turn * 2
+    assert stats["a"].runs == stats["b"].runs == 2 * block

@@ -38,17 +38,25 @@ def stats(times: list[float]) -> Stats:
     return Stats(statistics.median(ordered), q1, q3, ordered[0], ordered[-1], len(ordered))
 
 
-def interleaved(repeat: int, warmup: int = 1, **fns: Callable[[], object]) -> dict[str, Stats]:
-    """Each function called ``warmup`` times (not counted), then all in turn ``repeat`` times."""
+def interleaved(repeat: int, warmup: int = 1, block: int = 1,
+                **fns: Callable[[], object]) -> dict[str, Stats]:
+    """Each function called ``warmup`` times (not counted), then all in turn ``repeat`` times:
+    with ``block`` > 1, each turn is one more call not counted, then ``block`` counted calls in
+    a row. Blocks time each function in its own steady state (its data in the caches, its
+    threads awake) and keep a function's aftermath out of the next one's times: onnxruntime's
+    idle threads spin for a while after each run, taking the cores from whatever runs next."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(max(1, repeat)):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            if block > 1:
+                fn()
+            for _ in range(max(1, block)):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return {name: stats(t) for name, t in times.items()}
 
 
