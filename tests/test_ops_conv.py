@@ -272,11 +272,15 @@ def test_mlas_matches_onnxruntime_and_xla(case, bias):
 
 def test_lowering_chooses_mlas_for_large_float32_convolutions_only():
     """A ResNet 3x3 layer: "mlas" at float32 (and through the lowered model, where its result
-    is onnxruntime's); its XLA lowering at float16, for 1x1 kernels, small ones and depthwise."""
+    is onnxruntime's); its XLA lowering at float16, for small ones (by the thresholds of their
+    kind: few input channels, 1x1, dense) and depthwise."""
     big = ((8, 64, 56, 56), (64, 64, 3, 3), 1)
     assert lowering_for(*big, np.float32) == "mlas"
     assert lowering_for(*big, np.float16) == lowering_for(*big) == "channels_last"
-    assert lowering_for((8, 256, 14, 14), (256, 256, 1, 1), 1, np.float32) == "channels_last"
+    assert lowering_for((8, 256, 14, 14), (256, 256, 1, 1), 1, np.float32) == "mlas"
+    assert lowering_for((1, 512, 7, 7), (512, 512, 1, 1), 1, np.float32) == "channels_last"
+    assert lowering_for((8, 3, 32, 32), (16, 3, 3, 3), 1, np.float32) == "mlas"
+    assert lowering_for((1, 3, 32, 32), (16, 3, 3, 3), 1, np.float32) == "channels_last"
     assert lowering_for((1, 16, 8, 8), (16, 16, 3, 3), 1, np.float32) == "channels_last"
     assert lowering_for((8, 128, 28, 28), (128, 1, 3, 3), 128, np.float32) == "shifted"
     assert lowering_for((8, 128, 28, 28), (128, 4, 3, 3), 32, np.float32) == "mlas"
@@ -379,8 +383,10 @@ X, W = (2, 16, 12, 10), (16, 16, 3, 3)  # small: the tests take MLAS at any size
 
 @pytest.fixture
 def small_mlas(monkeypatch):
-    """MLAS chosen for float32 Convs of any size (MLAS_MIN_WORK 0): small, fast tests."""
-    monkeypatch.setattr(ops_conv, "MLAS_MIN_WORK", 0)
+    """MLAS chosen for dense float32 Convs of any size (their MLAS_MIN_* thresholds 0): small,
+    fast tests."""
+    for name in ("MLAS_MIN_WORK", "MLAS_MIN_FEW_CHANNELS_WORK", "MLAS_MIN_POINTWISE_WORK"):
+        monkeypatch.setattr(ops_conv, name, 0)
 
 
 def conv_relu_model(x_shape=X, w_shape=W, dtype=np.float32, extra_reader=False
@@ -529,7 +535,7 @@ def test_conv_relu_other_lowerings_run_apart(kind):
     """A Conv that does not take the "mlas" lowering: the fused node declines and the Conv and
     Relu run as ever (XLA fuses the Relu itself), the same values as unfused."""
     shapes = {"small": (X, W), "float16": ((2, 32, 64, 64), (32, 32, 3, 3)),
-              "1x1": ((8, 256, 14, 14), (256, 256, 1, 1))}[kind]
+              "1x1": ((1, 512, 7, 7), (512, 512, 1, 1))}[kind]
     dtype = np.float16 if kind == "float16" else np.float32
     assert lowering_for(*shapes, 1, dtype) != "mlas"
     model = conv_relu_model(*shapes, dtype=dtype)

@@ -40,9 +40,16 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   vmap the batch folds into N. Measured (fp32 Conv+Relu, medians and fastest of interleaved
   calls, load average 4-7): 4->64 k4 s2 at 540x960 and the 3->64 7x7 s2 ResNet stem 2-3x XLA;
   3x3 64->64 at 56x56 batch 8 1.2-1.5x; 3x3 512->512 at 7x7 batch 8 1.1-1.2x; grouped 3x3
-  (32 groups of 4 channels) 2-3.5x ``split``. Not chosen: 1x1 kernels (0.6-1.1x: XLA's
-  1x1 convolution is a GEMM as good as MLAS's), convolutions under :data:`MLAS_MIN_WORK`
-  multiply-adds (3x3 32->32 at 16x16: 0.6-0.7x, the callback's fixed tens of microseconds),
+  (32 groups of 4 channels) 2-3.5x ``split``. Timed in blocks of calls (each in its own
+  steady state, as ``pk.bench.interleaved(block=)``; load 1.7-1.9), dense convolutions of few
+  input channels and 1x1 ones gain too: 3->16 3x3 at 32x32 batch 8-32 1.3-4x, 3->32 5x5 at
+  64x64 batch 4 3x, 4->8 and 8->16 3x3 1.1-1.4x (from :data:`MLAS_MIN_FEW_CHANNELS_WORK`;
+  3->16 at batch 1, 2^19 multiply-adds: 0.6-0.75x); 1x1 64->256 at 56x56 2.8-3.5x, 256->256
+  at 14x14 batch 8 1.4x, 64->64 at 28x28 batch 8 1.3-1.45x (from
+  :data:`MLAS_MIN_POINTWISE_WORK`; 512->512 at 7x7, 2^23.6: 0.8-0.9x). Not chosen:
+  convolutions under :data:`MLAS_MIN_WORK` multiply-adds of 16 input channels or more (3x3
+  32->32 at 16x16: 0.75-0.8x, 16->32 at 16x16 batch 32: 0.9-1.0x, the callback's fixed
+  tens of microseconds),
   grouped ones of 16 or more channels per group (0.65-1.1x ``split``), ``shifted`` ones
   (depthwise 3x3 at 28x28x128 batch 8: 0.3-0.6x; MNIST's 1->32 k5: 0.2-0.9x), 1-D and 3-D
   (not measured). A Conv whose only reader is a Relu runs with MLAS's Relu in the same call (not
@@ -82,7 +89,8 @@ from jax import lax
 from . import conv_mlas
 from .ops import _HALF, Ctx, _accumulator, _channel_bias, _check_auto_pad, _geometry, op
 
-__all__ = ["MLAS_MAX_GROUP_CHANNELS", "MLAS_MIN_GROUPED_WORK", "MLAS_MIN_WORK",
+__all__ = ["MLAS_MAX_GROUP_CHANNELS", "MLAS_MIN_FEW_CHANNELS_WORK", "MLAS_MIN_GROUPED_WORK",
+           "MLAS_MIN_POINTWISE_WORK", "MLAS_MIN_WORK",
            "SHIFTED_MAX_TAPS", "SPLIT_MAX_GROUPS", "conv", "conv_relu", "conv_transpose",
            "lowering_for",
            "mlas_wins", "xla_lowering_for"]
@@ -97,7 +105,13 @@ SPLIT_MAX_GROUPS = 64
 MLAS_MIN_WORK = 1 << 26
 #: The same for grouped convolutions (XLA's ``split`` is many small convolutions).
 MLAS_MIN_GROUPED_WORK = 1 << 20
-#: Grouped convolutions of this many input channels per group or more stay on ``split``.
+#: The same for 1x1 kernels (a matrix product either way; MLAS's the faster from here).
+MLAS_MIN_POINTWISE_WORK = 1 << 24
+#: The same for dense convolutions of fewer than :data:`MLAS_MAX_GROUP_CHANNELS` input
+#: channels (XLA's channels-last convolution vectorises over the input channels).
+MLAS_MIN_FEW_CHANNELS_WORK = 1 << 21
+#: Grouped convolutions of this many input channels per group or more stay on ``split``;
+#: dense ones of fewer take :data:`MLAS_MIN_FEW_CHANNELS_WORK`.
 MLAS_MAX_GROUP_CHANNELS = 16
 
 
@@ -114,17 +128,21 @@ def lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int,
 
 def mlas_wins(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> bool:
     """Whether onnxruntime's MLAS convolution measured faster than XLA's lowering for a float32
-    Conv of these shapes (the module docs): two spatial axes, a kernel of more than one tap, not
-    one :func:`xla_lowering_for` runs as ``"shifted"``, dense or of fewer than
-    :data:`MLAS_MAX_GROUP_CHANNELS` input channels per group, and at least
-    :data:`MLAS_MIN_WORK` multiply-adds at stride 1 (:data:`MLAS_MIN_GROUPED_WORK` grouped)."""
+    Conv of these shapes (the module docs): two spatial axes, not one :func:`xla_lowering_for`
+    runs as ``"shifted"``, and at least so many multiply-adds at stride 1: grouped (fewer than
+    :data:`MLAS_MAX_GROUP_CHANNELS` input channels per group, a kernel of more than one tap)
+    :data:`MLAS_MIN_GROUPED_WORK`; dense with a 1x1 kernel :data:`MLAS_MIN_POINTWISE_WORK`, of
+    fewer than :data:`MLAS_MAX_GROUP_CHANNELS` input channels
+    :data:`MLAS_MIN_FEW_CHANNELS_WORK`, else :data:`MLAS_MIN_WORK`."""
     if len(x_shape) != 4 or xla_lowering_for(x_shape, w_shape, group) == "shifted":
         return False
     taps = int(np.prod(w_shape[2:], dtype=np.int64))
-    if taps == 1 or (group > 1 and w_shape[1] >= MLAS_MAX_GROUP_CHANNELS):
-        return False
     work = int(np.prod([x_shape[0], *x_shape[2:], w_shape[0], w_shape[1], taps], dtype=np.int64))
-    return work >= (MLAS_MIN_WORK if group == 1 else MLAS_MIN_GROUPED_WORK)
+    if group > 1:
+        return taps > 1 and w_shape[1] < MLAS_MAX_GROUP_CHANNELS and work >= MLAS_MIN_GROUPED_WORK
+    least = (MLAS_MIN_POINTWISE_WORK if taps == 1 else MLAS_MIN_FEW_CHANNELS_WORK
+             if w_shape[1] < MLAS_MAX_GROUP_CHANNELS else MLAS_MIN_WORK)
+    return work >= least
 
 
 def xla_lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int) -> str:
