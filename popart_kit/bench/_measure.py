@@ -145,7 +145,10 @@ def measure(v: Variant, backend: str = "xla", repeat: int = 5, warmup: int = 1,
     for name, fn in fns.items():  # the baselines' first (compiling) run, as the session's
         if name != "session":
             fn()
-    times = interleaved(repeat, warmup, **fns)
+    # with baselines, in turns of blocks (pk.bench.interleaved): each timed in its own steady
+    # state, onnxruntime's spinning idle threads kept out of the session's times
+    block = min(5, -(-repeat // 3)) if len(fns) > 1 else 1
+    times = interleaved(-(-repeat // block), warmup, block=block, **fns)
     return _row(v, sess, times, ready)
 
 
