@@ -181,3 +181,13 @@ def test_a_popart_program_gets_its_large_anchors_in_its_own_arrays_run_after_run
         np.testing.assert_array_equal(held, _x(seed) * 3)
     free = session._kit.runtime.executor.recycled._free[y]
     assert len(free) == 1  # the last run's buffer, back for the next
+
+
+def test_closing_a_session_keeps_no_buffer_of_its_anchors():
+    """After close, an anchor dropped later takes its buffer with it (nothing kept)."""
+    sess = _inference(_model())
+    y = sess.run({"x": _x(0)})["y"]
+    recycled = sess.runtime.executor.recycled
+    sess.close()
+    del y
+    assert all(not free for free in recycled._free.values())

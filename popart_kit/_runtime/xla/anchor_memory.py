@@ -95,6 +95,6 @@ class RecycledAnchors:
         return out
 
     def clear(self) -> None:
-        """Free the kept buffers (the session closed)."""
-        for free in self._free.values():
-            free.clear()
+        """Free the kept buffers (the session closed): new free lists, so that buffers whose
+        arrays are dropped later go with their old lists rather than being kept."""
+        self._free = {name: [] for name in self._shapes}
