@@ -36,6 +36,7 @@ from ..._model.popart_types import tensor_data_text
 from ...errors import ModelError
 
 __all__ = ["GRAPHCORE", "OPS", "SOFTMAX_AXIS", "UNKNOWN", "Ctx", "NotSupported", "Op",
+           "PopartRefusal",
            "UnsupportedModel", "node_partials", "np_dtype", "partials", "read_attributes"]
 
 GRAPHCORE = "ai.graphcore"
@@ -43,6 +44,15 @@ GRAPHCORE = "ai.graphcore"
 
 class NotSupported(Exception):
     """An operator, attribute value or input form the xla backend does not implement."""
+
+
+class PopartRefusal(NotSupported):
+    """A refusal PopART makes too: ``popart_text`` is PopART's own message (what
+    ``popart_kit.popart`` raises), then the fix."""
+
+    def __init__(self, popart_text: str, fix: str = "") -> None:
+        super().__init__(popart_text + (f" Fix: {fix}" if fix else ""))
+        self.popart_text = popart_text
 
 
 class UnsupportedModel(ModelError):
@@ -1665,14 +1675,11 @@ def popart_nll(ctx: Ctx, probs: Any, label: Any, logits: Any = None) -> Any:
     PopART's default pattern NlllWithSoftmaxGradDirect gives it (finite where the chain rule
     through log is not), and none to ``probs``."""
     if jnp.shape(label) != jnp.shape(probs)[:-1]:  # nll.cpp's check, in its words
-        want = " ".join(str(d) for d in jnp.shape(probs)[:-1])
-        text = (f"The label tensor ({_popart_info(label)}) must have shape [{want}] to match "
+        want = popart_vector(jnp.shape(probs)[:-1])
+        text = (f"The label tensor ({_popart_info(label)}) must have shape {want} to match "
                 f"all but the final dimension of the probabilities tensor "
                 f"({_popart_info(probs)}) in Op {ctx.name}.")
-        refusal = UnsupportedModel([f"{ctx.name} (Nll): {text} Fix: give one label per row "
-                                    f"of the probabilities."])
-        refusal.popart_text = text  # type: ignore[attr-defined]
-        raise refusal
+        raise PopartRefusal(text, "give one label per row of the probabilities.")
     ignore = ctx.attr("ignoreIndex")
     mask = jnp.ones(label.shape, bool) if ignore is None else label != ignore
     safe = jnp.where(mask, label, 0)

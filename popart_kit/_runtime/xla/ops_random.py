@@ -44,7 +44,7 @@ import onnx
 from onnx import TensorProto
 
 from ..._base.problems import popart_vector
-from .ops import GRAPHCORE, Ctx, NotSupported, np_dtype, op
+from .ops import GRAPHCORE, Ctx, NotSupported, PopartRefusal, np_dtype, op
 
 __all__ = ["RANDOM_STREAM", "RANDOM_OPS", "draws_random", "random_scope", "random_subscope",
            "uses_random"]
@@ -130,12 +130,6 @@ def _key(ctx: Ctx) -> Any:
                               _tag(ctx.outputs[0] or ctx.name))
 
 
-def _refusal(popart_text: str, fix: str) -> NotSupported:
-    """A refusal PopART makes too: its message (``popart_kit.popart`` raises it) and the fix."""
-    err = NotSupported(f"{popart_text} Fix: {fix}")
-    err.popart_text = popart_text  # type: ignore[attr-defined]
-    return err
-
 
 def _opid(ctx: Ctx) -> str:
     """The operator as PopART names it in messages: domain.type:version."""
@@ -164,7 +158,7 @@ def _ratio_value(ctx: Ctx) -> float | None:
 
 def _check_ratio(ctx: Ctx, ratio: float | None) -> None:
     if ratio is not None and not 0.0 <= ratio < 1.0:
-        raise _refusal(f"{_opid(ctx)} ratio value {ratio:g} is not valid. Please use a value "
+        raise PopartRefusal(f"{_opid(ctx)} ratio value {ratio:g} is not valid. Please use a value "
                        f"in the interval [0,1)", "give a ratio of at least 0 and below 1.")
 
 
@@ -215,7 +209,7 @@ def shaped_dropout(ctx: Ctx, x: Any) -> Any:
     except ValueError:
         fits = False
     if not fits:
-        raise _refusal(f"ShapedDropout: incompatible input tensor and dropout shape. "
+        raise PopartRefusal(f"ShapedDropout: incompatible input tensor and dropout shape. "
                        f"{_opid(ctx)} is configured with shape {popart_vector(shape)} which is not "
                        f"broadcastable to the input tensor with shape {popart_vector(x.shape)}.",
                        "give a mask shape that broadcasts to the input's (each dimension "
@@ -230,7 +224,7 @@ def shaped_dropout(ctx: Ctx, x: Any) -> Any:
 
 def _check_random(ctx: Ctx) -> None:
     if "seed" in ctx.attrs:
-        raise _refusal(f"{_opid(ctx)}: Optional seed attribute is not supported. Use "
+        raise PopartRefusal(f"{_opid(ctx)}: Optional seed attribute is not supported. Use "
                        f"session::setRandomSeed instead.",
                        "remove the seed attribute and seed the session (setRandomSeed).")
     dtype = ctx.attr("dtype")
@@ -243,8 +237,8 @@ def _check_random(ctx: Ctx) -> None:
 def _bad_type(dtype: int) -> NotSupported:
     name = TensorProto.DataType.Name(dtype) if dtype in TensorProto.DataType.values() \
         else str(dtype)
-    return _refusal(f"The data type {name} is not supported in Poplar",
-                    "give dtype FLOAT or FLOAT16, the types PopART's random operators make.")
+    return PopartRefusal(f"The data type {name} is not supported in Poplar",
+                         "give dtype FLOAT or FLOAT16, the types PopART's random operators make.")
 
 
 def _target(ctx: Ctx, like: Any) -> tuple[tuple[int, ...], Any]:

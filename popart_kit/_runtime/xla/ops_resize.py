@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ops import Ctx, NotSupported, UnsupportedModel, op
+from .ops import Ctx, NotSupported, PopartRefusal, UnsupportedModel, op
 
 __all__ = ["resize", "upsample"]
 
@@ -48,13 +48,6 @@ _TRANSFORMS = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"
                "tf_crop_and_resize")
 _CUBIC_A = _F32(-0.75)  # PopART's cubic coefficient, whatever cubic_coeff_a says
 
-
-class PopartRefusal(NotSupported):
-    """A refusal PopART makes too; ``popart_text`` is PopART's own message."""
-
-    def __init__(self, popart_text: str, fix: str = "") -> None:
-        super().__init__(popart_text + (f" Fix: {fix}" if fix else ""))
-        self.popart_text = popart_text
 
 
 # -- the node's settings ------------------------------------------------------------------------
