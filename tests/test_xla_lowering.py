@@ -108,6 +108,43 @@ def test_pooling_variants():
     agree(b, [values, indices, avg, lp, gmax], {x: f32(1, 2, 7, 6)}, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel,strides,pads,ceil,dilations", [
+    ([2, 2], [2, 2], [0, 0, 0, 0], 0, [1, 1]), ([3, 3], [2, 2], [1, 1, 1, 1], 0, [1, 1]),
+    ([3, 2], [1, 2], [1, 0, 2, 1], 1, [1, 1]), ([2, 3], [2, 1], [0, 1, 0, 1], 0, [2, 1])])
+def test_max_pool_as_strided_slices_is_reduce_window_value_and_gradient(
+        kernel, strides, pads, ceil, dilations):
+    """A MaxPool of few taps runs as a maximum of strided slices (no reduce_window in its
+    forward pass): onnxruntime's values, and reduce_window's gradient exactly, ties (the zeros
+    of a Relu) included."""
+    from popart_kit._runtime.xla import ops
+
+    b = builder(12)
+    x = b.addInputTensor(pk.TensorInfo("FLOAT", [2, 3, 9, 8]))
+    (y,) = b.aiOnnx.maxpool([b.aiOnnx.relu([x])], 1, kernel, pads=pads, strides=strides,
+                            ceil_mode=ceil, dilations=dilations)
+    feeds = {x: f32(2, 3, 9, 8)}
+    agree(b, [y], feeds)
+    graph = lower(model_of(b, [y]))
+    text = str(jax.make_jaxpr(lambda f: graph.evaluate({}, f, [y]))(feeds))
+    assert "reduce_window" not in text and "custom_vjp" in text
+
+    def loss(f, reference):  # reference: SLICED_MAX_TAPS 0, reduce_window's pooling
+        if reference:
+            saved, ops.SLICED_MAX_TAPS = ops.SLICED_MAX_TAPS, 0
+        try:
+            out = graph.evaluate({}, f, [y])[y]
+        finally:
+            if reference:
+                ops.SLICED_MAX_TAPS = saved
+        return jnp.sum(out * jnp.arange(out.size, dtype=out.dtype).reshape(out.shape))
+
+    if max(dilations) == 1:  # JAX has no max pool gradient with window dilation
+        fast = jax.grad(lambda f: loss(f, False))(feeds)[x]
+        slow = jax.grad(lambda f: loss(f, True))(feeds)[x]  # the op traced anew: reduce_window
+        np.testing.assert_array_equal(fast, slow)
+        assert np.count_nonzero(fast) > 0
+
+
 @pytest.mark.parametrize("opset", [10, 11, 13])
 def test_reshape_transpose_concat_slice_gather(opset):
     b = builder(opset)

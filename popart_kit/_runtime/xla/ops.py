@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -1425,11 +1426,47 @@ def _windows(x: Any, kernel: Sequence[int], strides: Sequence[int], dilations: S
     return values.reshape((*values.shape[:2 + n], -1)), flat.reshape((*out, -1))
 
 
+#: The most window taps a max pool takes as a maximum of strided slices (:func:`_sliced_max`).
+SLICED_MAX_TAPS = 16
+
+
+def _sliced_max(x: Any, kernel: Sequence[int], strides: Sequence[int],
+                dilations: Sequence[int], pads: Sequence[tuple[int, int]]) -> Any:
+    """The max pool of :func:`_reduce_window` as the elementwise maximum of one strided slice
+    of the padded input per window tap: the same values (a maximum is exact), one fused pass
+    where XLA:CPU runs reduce_window as a slow loop (2x2 stride 2 at 32x16x32x32: 2.7x). Its
+    gradient is reduce_window's (a custom_vjp), ties included."""
+    lowest = np.asarray(_lowest(x.dtype), x.dtype)
+
+    def windowed(v: Any) -> Any:
+        return _reduce_window(v, lowest, lax.max, kernel, strides, dilations, pads)
+
+    @jax.custom_vjp
+    def sliced(v: Any) -> Any:
+        padded = jnp.pad(v, [(0, 0), (0, 0), *pads], constant_values=lowest)
+        outs = [(n - (k - 1) * d - 1) // s + 1 for n, k, s, d
+                in zip(padded.shape[2:], kernel, strides, dilations, strict=True)]
+        out = None
+        for taps in itertools.product(*(range(k) for k in kernel)):
+            start = [t * d for t, d in zip(taps, dilations, strict=True)]
+            part = lax.slice(padded, (0, 0, *start),
+                             (*padded.shape[:2], *(b + (o - 1) * s + 1 for b, o, s
+                                                   in zip(start, outs, strides, strict=True))),
+                             (1, 1, *strides))
+            out = part if out is None else jnp.maximum(out, part)
+        return out
+
+    sliced.defvjp(lambda v: (sliced(v), v), lambda v, g: jax.vjp(windowed, v)[1](g))
+    return sliced(x)
+
+
 @op("MaxPool", check=_checks(_check_auto_pad, _one_of("storage_order", 0, 0, 1)))
 def max_pool(ctx: Ctx, x: Any) -> Any:
     kernel, strides, dilations, pads, extra = _pool_geometry(ctx, x)
     if not ctx.wants(1):
         padded = [(lo, hi + e) for (lo, hi), e in zip(pads, extra, strict=True)]
+        if math.prod(kernel) <= SLICED_MAX_TAPS and all(n > 0 for n in x.shape):
+            return _sliced_max(x, kernel, strides, dilations, padded)
         return _reduce_window(x, np.asarray(_lowest(x.dtype), x.dtype), lax.max, kernel,
                               strides, dilations, padded)
     size = x.shape[2:]
