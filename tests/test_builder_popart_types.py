@@ -109,6 +109,15 @@ def _node_types(node, types, data=None, version=11):
             for k, v in found.items()}
 
 
+def test_a_concat_of_no_inputs_is_left_to_onnx_s_checker():
+    """Found by the garbage fuzz test: a Concat node with no inputs at all (ONNX's schema
+    wants one or more) is refused by ONNX's inference, as node_types says, rather than
+    crashing PopART's Concat rule."""
+    node = helper.make_node("Concat", [], ["y"], axis=0)
+    with pytest.raises(onnx.shape_inference.InferenceError, match="input size 0"):
+        _node_types(node, {}, version=13)
+
+
 def test_popart_s_rules_where_onnx_refuses():
     f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
     # ConstantOfShape reads an INT32 shape (ONNX's inference wants INT64)

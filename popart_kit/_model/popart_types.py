@@ -262,7 +262,7 @@ def _transpose(node: Node) -> list[Typed]:
 def _concat(node: Node) -> list[Typed]:
     """ConcatOp::getOutputShape (concat.cpp): ``axis`` may be negative at every version (ONNX
     takes one only from Concat-11); the inputs agree but along it."""
-    typed = node.known(*range(len(node.inputs)))
+    typed = node.known(*range(max(1, len(node.inputs))))  # none: ONNX's checker refuses it
     rank = len(typed[0][1])
     axis = int(node.attrs.get("axis", 0))
     axis += rank if axis < 0 else 0
