@@ -1,12 +1,15 @@
 """Fuzzing: whatever configs, files, POPDIST_* environments, models and arrays come in, only the
 kit's errors come out (or a valid result), each case within a bounded time.
 
-Attack classes and their example counts are in ``EXAMPLES``; each test draws that many cases.
+Attack classes and their example counts are in ``EXAMPLES``; each test draws that many cases,
+the same ones every run (a gate must not pass or fail by chance); ``POPART_KIT_FUZZ=explore``
+draws new ones, to look for what they have not found.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import string
 from datetime import timedelta
 
@@ -28,6 +31,7 @@ EXAMPLES = {"configs": 300, "files": 200, "environments": 300, "models": 150, "a
 
 def fuzz(kind: str):
     return settings(max_examples=EXAMPLES[kind], deadline=timedelta(seconds=2),
+                    derandomize=os.environ.get("POPART_KIT_FUZZ") != "explore",
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
 

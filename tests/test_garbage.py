@@ -2,6 +2,8 @@
 reports, bench results and ONNX files, from random bytes to valid ones with a value spoilt.
 Whatever comes in, only a PopartKitError escapes the API, and the CLI (run in-process) exits 0
 or 2 without a traceback. Example counts are bounded (``EXAMPLES``) to keep the file quick.
+Every run draws the same examples (a gate must not pass or fail by chance);
+``POPART_KIT_FUZZ=explore`` draws new ones, to look for what they have not found.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ EXAMPLES = {"configs": 200, "arrays": 200, "specs": 300, "reports": 200, "result
 
 def garbage(kind: str):
     return settings(max_examples=EXAMPLES[kind], deadline=None, database=None,
+                    derandomize=os.environ.get("POPART_KIT_FUZZ") != "explore",
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -117,7 +121,7 @@ def serialised(data: Any, fmt: str) -> str:
     if fmt == "toml":
         try:
             return tomli_w.dumps(data)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):  # AttributeError: not a table
             return json.dumps(data)
     if fmt == "yaml":
         return yaml.safe_dump(data, allow_unicode=True)
