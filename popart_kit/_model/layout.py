@@ -28,6 +28,7 @@ from .._base.schedule import depth_text
 from ..errors import ModelError, ModelTypeError, short
 from .builder_settings import EXECUTION_PHASE
 from .builder_subgraphs import node_reads
+from .popart_types import popart_opid
 from .tensors import in_onnx_form
 
 if TYPE_CHECKING:
@@ -356,15 +357,9 @@ def opid(node: onnx.NodeProto, model: onnx.ModelProto) -> str:
     """PopART's text for an operator identifier, domain.type:version (opmanager.cpp:70): ONNX's
     operators at the version of their schema the model's opset selects, ai.graphcore's at 1."""
     domain = node.domain or "ai.onnx"
-    if domain == "ai.graphcore":
-        return f"{domain}.{node.op_type}:1"
     opset = next((int(o.version) for o in model.opset_import
                   if (o.domain or "ai.onnx") == domain), 0)
-    try:
-        version = onnx.defs.get_schema(node.op_type, opset, "").since_version
-    except (onnx.defs.SchemaError, TypeError):  # no such operator; an opset beyond a C int
-        version = opset
-    return f"{domain}.{node.op_type}:{version}"
+    return popart_opid(node.op_type, opset, domain)
 
 
 

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .._base.problems import popart_vector
 
 __all__ = ["PopartRefusal", "ALWAYS_CHECKED", "BUILDER_RULES", "SETUP_RULES", "first_refusal",
+           "popart_opid",
            "first_setup_refusal", "node_types", "onnx_types", "tensor_data_text"]
 
 Shape = tuple[int, ...]
@@ -37,6 +38,20 @@ Typed = tuple[int, Shape]  # (ONNX elem type, shape)
 
 class PopartRefusal(ValueError):
     """PopART's op refuses these inputs when a session is made (its setup's message)."""
+
+
+def popart_opid(op_type: str, opset: int, domain: str = "") -> str:
+    """An operator's identifier as PopART prints it (opmanager.cpp:70), domain.type:version:
+    ONNX's operators at the version of their schema ``opset`` selects (``opset`` itself where
+    no schema has it: an unknown operator, an opset beyond a C int), ai.graphcore's at 1."""
+    domain = domain or "ai.onnx"
+    if domain == "ai.graphcore":
+        return f"{domain}.{op_type}:1"
+    try:
+        version = onnx.defs.get_schema(op_type, opset, "").since_version
+    except (onnx.defs.SchemaError, TypeError):
+        version = opset
+    return f"{domain}.{op_type}:{version}"
 
 
 @dataclass(frozen=True)
@@ -61,11 +76,7 @@ class Node:
     def opid(self) -> str:
         """The op's identifier as PopART prints it: ``ai.onnx.Slice:10`` (the version of the
         op's schema at the model's opset)."""
-        try:
-            since = onnx.defs.get_schema(self.proto.op_type, self.version, "").since_version
-        except onnx.defs.SchemaError:
-            since = self.version
-        return f"ai.onnx.{self.proto.op_type}:{since}"
+        return popart_opid(self.proto.op_type, self.version)
 
     def debug_name(self) -> str:
         """The op as PopART's ``Op::debugName`` names it:

@@ -28,12 +28,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import onnx
 from jax import lax
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ..._base.problems import popart_vector
-from ..._model.popart_types import tensor_data_text
+from ..._model.popart_types import popart_opid, tensor_data_text
 from ...errors import ModelError
 
 __all__ = ["GRAPHCORE", "OPS", "SOFTMAX_AXIS", "UNKNOWN", "Ctx", "NotSupported", "Op",
@@ -196,11 +195,7 @@ def popart_constant_text(op_type: str, opset: int, index: int, tensor: str) -> s
     what = _POPART_DATA_INPUTS.get(op_type, {}).get(index)
     if what is None:
         return None
-    try:
-        since = onnx.defs.get_schema(op_type, opset, "").since_version
-    except onnx.defs.SchemaError:
-        since = opset
-    return tensor_data_text(f"ai.onnx.{op_type}:{since}", what, tensor)
+    return tensor_data_text(popart_opid(op_type, opset), what, tensor)
 
 
 def op(*names: str, domain: str = "", check: Callable[[Ctx], None] | None = None,

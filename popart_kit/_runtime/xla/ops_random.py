@@ -44,6 +44,7 @@ import onnx
 from onnx import TensorProto
 
 from ..._base.problems import popart_vector
+from ..._model.popart_types import popart_opid
 from .ops import GRAPHCORE, Ctx, NotSupported, PopartRefusal, np_dtype, op
 
 __all__ = ["RANDOM_STREAM", "RANDOM_OPS", "draws_random", "random_scope", "random_subscope",
@@ -133,9 +134,8 @@ def _key(ctx: Ctx) -> Any:
 
 def _opid(ctx: Ctx) -> str:
     """The operator as PopART names it in messages: domain.type:version."""
-    if ctx.op_type == "ShapedDropout":
-        return "ai.graphcore.ShapedDropout:1"
-    return f"ai.onnx.{ctx.op_type}:{onnx.defs.get_schema(ctx.op_type, ctx.opset).since_version}"
+    return popart_opid(ctx.op_type, ctx.opset,
+                       "ai.graphcore" if ctx.op_type == "ShapedDropout" else "")
 
 
 
