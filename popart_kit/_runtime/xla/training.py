@@ -433,7 +433,7 @@ class XlaTrainingBackend(XlaBackend):
         """PopART refuses to differentiate a BatchNormalization with one output (inference
         mode) on the loss's path (batchnorm.cpp, BatchNormGradOp): it must be detached (a
         Detach on its output stops the path) or given its five training outputs."""
-        producer = {o: n for n in self.model.graph.node for o in n.output}
+        producer = self._producers
         seen, todo, found = set(), [loss], []
         while todo:
             tensor = todo.pop()
@@ -465,9 +465,14 @@ class XlaTrainingBackend(XlaBackend):
         return loss in self.graph.tensors and np.issubdtype(
             self._shapes(self.io.inputs, [loss])[loss].dtype, np.integer)
 
+    @functools.cached_property
+    def _producers(self) -> dict[str, onnx.NodeProto]:
+        """The node that makes each tensor of the model's graph."""
+        return {o: n for n in self.model.graph.node for o in n.output}
+
     def _loss_inputs(self, loss: str) -> set[str]:
         """Every tensor the loss depends on, read back through the graph."""
-        producer = {o: n for n in self.model.graph.node for o in n.output}
+        producer = self._producers
         seen, todo = set(), [loss]
         while todo:
             tensor = todo.pop()
@@ -498,7 +503,7 @@ class XlaTrainingBackend(XlaBackend):
         from its outputs 1 and 2 (batchnorm.cpp's setup).
         Such a weight gets no gradient update; with replication, replica 0's copy is kept
         (PopART's replicas each keep their own; the host reads replica 0's)."""
-        producer = {o: n for n in self.model.graph.node for o in n.output}
+        producer = self._producers
         out: dict[str, str] = {}
         for node in self.model.graph.node:
             if node.op_type == "CopyVarUpdate" and node.domain == "ai.graphcore" \
