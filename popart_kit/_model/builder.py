@@ -656,7 +656,7 @@ class Builder(NodeSettings, SubgraphBuilding):
                 for reserved in ids:
                     del self._types[reserved]
                 raise BuilderError(f"Output '{tensor}' of node '{node_name or op_type}' has "
-                                   f"invalid shape, [{' '.join(map(str, dims))}]. Values must "
+                                   f"invalid shape, {popart_vector(dims)}. Values must "
                                    f"be non-negative in each shape dimension.")
         self._types.update(types)
         self._graph.node.append(node)

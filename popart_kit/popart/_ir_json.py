@@ -17,6 +17,8 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from .._base.problems import popart_vector
+
 __all__ = ["ir_json"]
 
 
@@ -32,9 +34,9 @@ def _types(model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
                 for d in tensor.shape.dim] if tensor.HasField("shape") else []
         name = onnx.TensorProto.DataType.Name(tensor.elem_type) if tensor.elem_type else \
             "UNDEFINED"
-        out[value.name] = (f"[{' '.join(dims)}]", name)
+        out[value.name] = (popart_vector(dims), name)
     for init in graph.initializer:
-        out[init.name] = (f"[{' '.join(map(str, init.dims))}]",
+        out[init.name] = (popart_vector(init.dims),
                           onnx.TensorProto.DataType.Name(init.data_type))
     return out
 
@@ -44,8 +46,7 @@ def _attribute_text(attr: onnx.AttributeProto) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, list):
-        return "[" + " ".join(v.decode() if isinstance(v, bytes) else str(v)
-                              for v in value) + "]"
+        return popart_vector(v.decode() if isinstance(v, bytes) else v for v in value)
     if isinstance(value, onnx.TensorProto):
         return f"tensor {list(value.dims)} ({math.prod(value.dims)} elements)"
     return str(value)
