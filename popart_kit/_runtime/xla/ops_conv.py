@@ -60,7 +60,9 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   What stays between the kit and onnxruntime there: the filter reorder.
   onnxruntime's intra-op threads: one per CPU the process may use (XLA's pool's size; one
   thread was 1.5-5x slower on the larger rows), spinning off (spinning threads fought XLA's:
-  up to 2x slower on the depthwise row). A program holding a callback is not kept by the
+  up to 2x slower on the depthwise row; timed in blocks, spinning made the MLAS call itself
+  1.2-1.4x faster on the 1x1 and depthwise rows but the XLA program run after it 1.3-1.5x
+  slower on the grouped row). A program holding a callback is not kept by the
   persistent compilation cache (JAX does not serialise host callbacks).
 
 Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
