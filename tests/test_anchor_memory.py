@@ -126,6 +126,7 @@ def test_a_host_driven_step_recycles_its_anchors_too():
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
         addresses.add(y.ctypes.data)
         del y
+        assert len(sess.runtime.executor.recycled._free["y"]) == 1  # back for the next run
     assert len(addresses) <= 2
 
 
@@ -156,6 +157,7 @@ def test_a_training_step_hands_out_its_large_anchors_alike(bps):
         assert out["loss"].nbytes < MIN_BYTES and out["y"].flags.writeable
         addresses.add(out["y"].ctypes.data)
         del out, y
+        assert len(sess.runtime.executor.recycled._free["y"]) == 1  # back for the next run
     assert len(addresses) <= 2
     np.testing.assert_allclose(sess.weights()["w"], w, rtol=1e-4)
 
