@@ -42,6 +42,7 @@ from .grouped import (
     replica_model,
     replica_rows,
 )
+from .input_memory import AlignedInputs
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
 from .ops import UnsupportedModel, partials
@@ -130,6 +131,8 @@ class XlaBackend:
         self.unpipelined_because = ""
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
+        self.staged = AlignedInputs(self.placement.platform == "cpu" and not
+                                    self.placement.several and self.pipeline is None)
 
     def _trips(self) -> int:
         """How many chunks a step evaluates."""
@@ -279,10 +282,10 @@ class XlaBackend:
         return shapes
 
     def _host_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Canonical host arrays as the program takes them (views where the dtype agrees),
-        with the run's seeds (:class:`~.state.RandomSeed`) for a model with random
-        operators."""
-        host = {name: np.asarray(inputs[name], dtype=s.dtype).reshape(s.shape)
+        """Canonical host arrays as the program takes them (views where the dtype agrees; a
+        large one in aligned memory the program reads in place, :mod:`.input_memory`), with
+        the run's seeds (:class:`~.state.RandomSeed`) for a model with random operators."""
+        host = {name: self.staged.place(name, inputs[name], s.dtype, s.shape)
                 for name, s in self._inputs.items() if name != RANDOM_STREAM}
         if self.random:
             host[RANDOM_STREAM] = self.seed.words(
@@ -373,6 +376,7 @@ class XlaBackend:
         """Stop what the executor runs beside this process (a pipeline's stage worker
         processes; a later run starts them again)."""
         self.executor.close()
+        self.staged.clear()
 
     def prepare(self) -> None:
         """Check the step fits, then compile it (run does it when needed)."""
