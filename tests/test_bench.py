@@ -8,6 +8,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -204,11 +205,25 @@ def test_a_toml_spec_reads_as_the_yaml_one(tmp_path):
 
 @pytest.mark.parametrize("block", [1, 3])
 def test_interleaved_times_each_function_in_turns_of_blocks(block):
-    """warmup calls, then per turn each function in turn: with block > 1 one call not timed,
-    then ``block`` timed calls in a row; every timed call counted once."""
+    """warmup calls, then per turn each function in turn: with block > 1 one call not timed
+    (settle=0), then ``block`` timed calls in a row; every timed call counted once."""
     calls: list[str] = []
-    stats = pk.bench.interleaved(2, warmup=1, block=block, a=lambda: calls.append("a"),
-                                 b=lambda: calls.append("b"))
+    stats = pk.bench.interleaved(2, warmup=1, block=block, settle=0.0,
+                                 a=lambda: calls.append("a"), b=lambda: calls.append("b"))
     turn = ["a"] * (block + (block > 1)) + ["b"] * (block + (block > 1))
     assert calls == ["a", "b"] + turn * 2
     assert stats["a"].runs == stats["b"].runs == 2 * block
+
+
+def test_a_block_is_led_in_by_uncounted_calls_for_settle_seconds():
+    """Before each block, calls not timed until ``settle`` seconds have passed."""
+    calls: list[float] = []
+
+    def a() -> None:
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    stats = pk.bench.interleaved(2, warmup=0, block=2, settle=0.03, a=a)
+    assert stats["a"].runs == 4
+    assert len(calls) >= 4 + 2 * 10  # each lead-in: 30 ms of 2 ms calls, timed ones aside
+    assert calls[-1] - calls[0] >= 2 * 0.03
