@@ -10,7 +10,8 @@ aligned (one 3x3 convolution; onnxruntime, reading the user's array where it lie
 :class:`AlignedInputs` copies such an input instead into aligned memory it keeps, already
 mapped after the first run, and hands the program a view of it. The memory is written again
 only when no array over it is left: the program's call holds the view until XLA is done
-reading it, so a run never overwrites what an earlier one still reads. Inputs under
+reading it (JAX lets go of it by the next call), so a run never overwrites what an earlier one
+still reads, and two or three buffers serve every run. Inputs under
 :data:`MIN_BYTES` and inputs already aligned are passed as they are, and nothing is kept for
 other devices or several (a transfer to them copies anyway).
 """
