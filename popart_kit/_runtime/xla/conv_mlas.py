@@ -8,7 +8,7 @@ ONNX Conv where that layout does not apply. JAX's ``buffer_callback`` (jax.exper
 the session XLA's input buffers and the output buffer to write in place (an ``io_binding`` per
 call: no copies, and concurrent calls from pipeline threads each bind their own). Sessions are
 made once, under a lock, with one intra-op thread per CPU the process may use and spinning off
-(:func:`_options`). See ops_conv.py for when it is chosen and what was measured.
+(:func:`options`). See ops_conv.py for when it is chosen and what was measured.
 
 :func:`conv` is forward only: a :func:`jax.custom_vjp` whose backward is the given XLA lowering's
 (the gradient numerics of that lowering, unchanged), and where the program is lowered for
@@ -41,7 +41,7 @@ from jax import lax
 from .ops import _popart_relu
 
 __all__ = ["ACTIVATIONS", "NCHWC", "available", "block_size", "conv",
-           "layout_for", "session_for"]
+           "layout_for", "options", "session_for"]
 
 #: Sessions by key; created under :data:`_LOCK` (pipeline stages run in threads).
 _SESSIONS: dict[tuple, Any] = {}
@@ -105,7 +105,7 @@ def block_size() -> int:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11),
                                                     helper.make_opsetid(NCHWC, 1)])
     try:
-        session = ort.InferenceSession(model.SerializeToString(), _options(),
+        session = ort.InferenceSession(model.SerializeToString(), options(),
                                        providers=["CPUExecutionProvider"])
         size = int(session.run(None, {"x": np.ones((1, 4, 1, 1), np.float32)})[0].shape[1])
     except Exception:  # noqa: BLE001 - an onnxruntime without the NCHWc kernels
@@ -157,17 +157,17 @@ def _reorder(w: Any, b: Any, layout: str) -> tuple[Any, Any]:
     return w, None if b is None else jnp.pad(b, (0, o_pad - o))
 
 
-def _options() -> Any:
+def options(spinning: bool = False) -> Any:
     """Session options: one intra-op thread per CPU this process may use (as XLA's pool; one
     thread in all was 1.5-5x slower on the larger convolutions), threads that sleep when idle
-    rather than spin (spinning ones took cores from XLA's pool)."""
+    rather than spin unless ``spinning`` (spinning ones took cores from XLA's pool)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return options
 
 
@@ -206,7 +206,7 @@ def _make_session(key: Key) -> Any:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11),
                                                     helper.make_opsetid(NCHWC, 1),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    return ort.InferenceSession(model.SerializeToString(), _options(),
+    return ort.InferenceSession(model.SerializeToString(), options(),
                                 providers=["CPUExecutionProvider"])
 
 
