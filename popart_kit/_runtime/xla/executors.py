@@ -107,6 +107,19 @@ class StepFunctions:
         return self.apply is not None
 
 
+def _runnable(jitted: Any, compiled: Any, training: bool) -> Any:
+    """What a run calls: the compiled program, or for an inference program holding host
+    callbacks (onnxruntime's calls: :mod:`.conv_mlas`, :mod:`.delegated`) the jitted
+    function. JAX dispatches a compiled program holding callbacks in Python, and the callback
+    waits for the interpreter lock that dispatch holds: 40-150 microseconds more per call
+    (an MLP run by onnxruntime: 420 against 250 microseconds). The jitted function traces and
+    compiles the program once more on its first call (the callbacks are new objects):
+    tens of milliseconds for an inference program, whose heavy work is in the callbacks, too
+    long for a training one, whose backward XLA compiles."""
+    call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
+    return jitted if not training and getattr(call, "has_host_callbacks", False) else compiled
+
+
 def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
@@ -170,22 +183,22 @@ class LoopedExecutor:
                 lambda s, h, x, _: self._whole(s, h, x), (None, None, f.stream_axes, None),
                 (None, f.buffer_axes, None)), donate_argnums=3, keep_unused=True)
             self.programs = [program.lower(state, hyper, inputs, slots).compile()]
-            return
-        # inference takes the weights alone: each argument is a cost of every call
-        program = jax.jit(self.placement.spmd(
-            lambda w, x, _: self._whole(SessionState(w), None, x)[1],
-            (None, f.stream_axes, None), f.buffer_axes), donate_argnums=2, keep_unused=True)
-        self.programs = [program.lower(state.weights, inputs, slots).compile()]
+        else:  # inference takes the weights alone: each argument is a cost of every call
+            program = jax.jit(self.placement.spmd(
+                lambda w, x, _: self._whole(SessionState(w), None, x)[1],
+                (None, f.stream_axes, None), f.buffer_axes), donate_argnums=2, keep_unused=True)
+            self.programs = [program.lower(state.weights, inputs, slots).compile()]
+        self._call = _runnable(program, self.programs[0], f.training)
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
             hyper: Any) -> StepResult:
         device = self.placement.put(inputs, self.step.stream_axes)
         slots = self.recycled.slots()
         if not self.step.training:
-            buffers = self.programs[0](state.weights, device, slots)
+            buffers = self._call(state.weights, device, slots)
             return StepResult(self.recycled.hand_out(_results(self.placement, buffers,
                                                               None)[0]))
-        new, buffers, flags = self.programs[0](state, hyper, device, slots)
+        new, buffers, flags = self._call(state, hyper, device, slots)
         anchors, flags = _results(self.placement, buffers, flags)
         return StepResult(self.recycled.hand_out(anchors), new, flags)
 
@@ -235,25 +248,26 @@ class HostDrivenExecutor:
                 lambda s, w, h, x: f.chunk(s, w, h, x, jnp.int32(0), jnp.int32(0))[0],
                 state, f.work(), hyper, inputs))
         slots = self.recycled.abstract()
-        init = jax.jit(self._init, donate_argnums=1, keep_unused=True).lower(
-            state, slots).compile()
+        jitted = [jax.jit(self._init, donate_argnums=1, keep_unused=True),
+                  jax.jit(self._chunk, donate_argnums=(1,))]
         work = jax.eval_shape(self._init, state, slots)
-        chunk = jax.jit(self._chunk, donate_argnums=(1,)).lower(
-            state, work, hyper, inputs, index, index).compile()
-        programs = [init, chunk]
+        programs = [jitted[0].lower(state, slots).compile(),
+                    jitted[1].lower(state, work, hyper, inputs, index, index).compile()]
         if f.training:
-            programs.append(jax.jit(self._update, donate_argnums=(1,)).lower(
-                state, work, hyper, index).compile())
+            jitted.append(jax.jit(self._update, donate_argnums=(1,)))
+            programs.append(jitted[-1].lower(state, work, hyper, index).compile())
         if f.flags is not None:
-            programs.append(jax.jit(self._flags).lower(state, work).compile())
+            jitted.append(jax.jit(self._flags))
+            programs.append(jitted[-1].lower(state, work).compile())
         self.programs = programs
+        self._calls = [_runnable(j, p, f.training) for j, p in zip(jitted, programs, strict=True)]
         self._indices = _indices(self.placement, max(f.updates, f.chunks))
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
             hyper: Any) -> StepResult:
         f = self.step
         device = self.placement.put(inputs, f.stream_axes, resident=True)
-        init, chunk, *rest = self.programs
+        init, chunk, *rest = self._calls
         work = init(state, self.recycled.slots())
         for u in self._indices[:f.updates]:
             for k in self._indices[:f.chunks]:
