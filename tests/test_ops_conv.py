@@ -456,8 +456,11 @@ def test_conv_relu_fused_into_one_mlas_call_matches_onnxruntime_and_apart(
     assert np.min(got) == 0 and np.mean(got == 0) > 0.2
     sess = pk.InferenceSession(model, pk.SessionConfig(
         mode="inference", batches_per_step=1, device={"target": "offline"}),
-        anchors={"y": "All"}, backend="xla")
-    np.testing.assert_allclose(sess.run(feeds)["y"], got, rtol=1e-6, atol=1e-6)
+        anchors={"y": "All"}, backend="xla")  # delegated: onnxruntime's session (its filter
+    #                                           reordered once, not per call as here)
+    np.testing.assert_allclose(sess.run(feeds)["y"], run_ort(model, feeds), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_allclose(sess.run(feeds)["y"], got, rtol=1e-4, atol=1e-4)
 
 
 def test_conv_relu_fused_gradients_are_the_pairs(small_mlas):

@@ -147,7 +147,8 @@ def test_pipelined_model_runs_like_the_unannotated_one():
     a = pk.InferenceSession(staged, cfg, anchors={y: "All"}, backend="xla")
     b = pk.InferenceSession(plain, config(bps=4, local=2), anchors={y: "All"}, backend="xla")
     inputs = a.io.allocate_inputs("random", seed=5)
-    np.testing.assert_allclose(a.run(inputs)[y], b.run(inputs)[y], rtol=1e-6)
+    # the staged model runs XLA's lowering, the plain one onnxruntime's (delegated.py)
+    np.testing.assert_allclose(a.run(inputs)[y], b.run(inputs)[y], rtol=1e-6, atol=1e-9)
 
 
 def test_pipeline_rules_are_enforced_before_compiling():

@@ -31,6 +31,10 @@ A node whose output only one other node reads may be lowered together with that 
 never when that output is wanted (anchored, a graph output, a gradient anchor) or read by
 anything else (a subgraph's read is its node's input), nor under recomputation, nor inside a
 pipeline stage (whose every output is kept).
+
+With ``delegation`` set (an inference session on one CPU device), runs of consecutive nodes
+onnxruntime computes as PopART does are lowered as one node each, an onnxruntime session inside
+the program (:mod:`.delegated`).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from ..._model.index_check import narrowing_problems
 from ..._model.layout import load_model
 from ..._model.tensors import to_array
 from ...errors import InvalidModel, ModelError, clip
-from . import ops_conv
+from . import delegated, ops_conv
+from .delegated import Delegation
 from .op_table import OPS
 from .ops import (
     GRAPHCORE,
@@ -102,6 +107,7 @@ class _Node:
     partials: str | None = None  # the node's own partials type (PopART's setPartialsType)
     recompute: int = 0          # its RecomputeType (Builder.recomputeOutputInBackwardPass):
     #                             0 undefined, 1 checkpoint, 2 recompute
+    proto: onnx.NodeProto | None = None  # the node as the model has it (delegated.py)
 
 
 class LoweredGraph:
@@ -112,10 +118,13 @@ class LoweredGraph:
     are weights; ``constants``: the initializers and inputs folded in as compile-time values;
     ``outputs``: the graph outputs; ``tensors``: every tensor that can be anchored;
     ``trainable``: the floating-point weights; ``fused``: whether the pairs :data:`FUSIONS`
-    offers are lowered together (set False to run them apart, for comparison).
+    offers are lowered together (set False to run them apart, for comparison);
+    ``delegation``: set (an inference session on one CPU device) to run forward segments by
+    onnxruntime (:mod:`.delegated`).
     """
 
     fused: bool = True
+    delegation: Delegation | None = None
 
     def __init__(self, *, opset: int, inputs: dict[str, tuple[tuple[int | None, ...] | None,
                                                               np.dtype]],
@@ -132,6 +141,7 @@ class LoweredGraph:
         self.tensors: set[str] = {*inputs, *weights, *constants, *known, *self._producer}
         self._plans: dict[tuple[str, ...], list[_Node]] = {}
         self._fused_plans: dict[tuple[str, ...], list[_Node]] = {}
+        self._delegated_plans: dict[tuple[str, ...], list[_Node]] = {}
         self._reads: dict[str, int] = {}  # how many inputs of all nodes name each tensor
         for node in nodes:
             for name in node.inputs:
@@ -197,15 +207,21 @@ class LoweredGraph:
 
     def _fused(self, wanted: tuple[str, ...]) -> list[_Node]:
         """:meth:`_plan`'s nodes with each pair :data:`FUSIONS` offers to lower together made
-        one node, where the first's one output is read by the second alone (once), is not
-        ``wanted`` (anchors, gradient anchors) nor a graph output, and both nodes are traced
-        (not shape-derived) with the same partials type. The pair runs where the second
-        stood (the first's other readers: none)."""
+        one node (:meth:`_fuse_pairs`)."""
         if not self.fused:
             return self._plan(wanted)
-        if wanted in self._fused_plans:
-            return self._fused_plans[wanted]
-        plan = self._plan(wanted)
+        if wanted not in self._fused_plans:
+            self._fused_plans[wanted] = self._fuse_pairs(self._plan(wanted), wanted)
+        return self._fused_plans[wanted]
+
+    def _fuse_pairs(self, plan: list[_Node], wanted: tuple[str, ...]) -> list[_Node]:
+        """``plan`` with each pair :data:`FUSIONS` offers made one node, where the first's one
+        output is read by the second alone (once), is not ``wanted`` (anchors, gradient
+        anchors) nor a graph output, and both nodes are traced (not shape-derived) with the
+        same partials type. The pair runs where the second stood (the first's other readers:
+        none). Nothing is fused unless ``fused``."""
+        if not self.fused:
+            return plan
         kept = {*wanted, *self.outputs}
         made = {o: node for node in plan for o in node.outputs if o}
         firsts: set[int] = set()
@@ -223,8 +239,60 @@ class LoweredGraph:
                 firsts.add(id(first))
                 break
             out.append(fused or node)
-        self._fused_plans[wanted] = [n for n in out if id(n) not in firsts]
-        return self._fused_plans[wanted]
+        return [n for n in out if id(n) not in firsts]
+
+    def _delegated(self, wanted: tuple[str, ...]) -> list[_Node]:
+        """:meth:`_plan`'s nodes with each run of consecutive nodes that are :func:`_delegable`
+        and that holds a :data:`~.delegated.HEAVY` operator made one node run by onnxruntime
+        (:class:`~.delegated.Segment`); its outputs are what the rest of the plan reads and
+        what is ``wanted``."""
+        if wanted in self._delegated_plans:
+            return self._delegated_plans[wanted]
+        plan = self._plan(wanted)
+        runs: list[list[_Node]] = [[]]
+        for node in plan:
+            if _delegable(node):
+                runs[-1].append(node)
+            elif runs[-1]:
+                runs.append([])
+        segments = {id(run[0]): run for run in runs
+                    if any(n.ctx.op_type in delegated.HEAVY for n in run)}
+        out: list[_Node] = []
+        index = 0
+        while index < len(plan):
+            run = segments.get(id(plan[index]))
+            if run is None:
+                out.append(plan[index])
+                index += 1
+                continue
+            inside = {id(n) for n in run}
+            read_elsewhere = {i for n in plan if id(n) not in inside for i in n.inputs if i}
+            out.append(self._segment(run, {*wanted, *read_elsewhere}))
+            index += len(run)
+        self._delegated_plans[wanted] = self._fuse_pairs(out, wanted)
+        return self._delegated_plans[wanted]
+
+    def _segment(self, run: list[_Node], needed: set[str]) -> _Node:
+        """One node computing ``run`` by onnxruntime, giving the tensors in ``needed``."""
+        made = [o for n in run for o in n.outputs if o]
+        outputs = [o for o in made if o in needed]
+        reads = list(dict.fromkeys(i for n in run for i in n.inputs if i and i not in made))
+        label = f"{run[0].label}..{run[-1].label}" if len(run) > 1 else run[0].label
+
+        def xla(args: list[Any]) -> list[Any]:
+            values = dict(zip(reads, args, strict=True))
+            for node in run:
+                results = _compute(node, [values[i] if i else None for i in node.inputs])
+                values.update((o, r) for o, r in zip(node.outputs, results, strict=False) if o)
+            return [values[o] for o in outputs]
+
+        protos = [_without_popart_attributes(n.proto) for n in run if n.proto is not None]
+        op = delegated.Segment(label, protos, reads, outputs,
+                               {r for r in reads if r in self.weights}, self.opset, xla,
+                               self.delegation)  # type: ignore[arg-type]
+        ctx = Ctx(label, "onnxruntime", self.opset, {}, reads, outputs,
+                  [r in self._known for r in reads])
+        return _Node(label, op, ctx, tuple(reads), tuple(outputs), False)  # type: ignore[arg-type]
 
     def evaluate(self, weights: Mapping[str, Any], inputs: Mapping[str, Any],
                  wanted: Sequence[str],
@@ -243,7 +311,12 @@ class LoweredGraph:
         or ``jax.grad``."""
         keep = _KEEPS.get(_RECOMPUTATION.get())  # which outputs a recomputing backward keeps
         key = tuple(wanted) + tuple(offsets or ())
-        plan = self._plan(key) if keep is not None else self._fused(key)
+        if keep is not None:
+            plan = self._plan(key)
+        elif self.delegation is not None and not offsets and not fresh and not constants:
+            plan = self._delegated(key)
+        else:
+            plan = self._fused(key)
         offsets = offsets or {}
 
         def shifted(name: str, value: Any) -> Any:
@@ -270,30 +343,7 @@ class LoweredGraph:
             if SOFTMAX_AXIS in node.ctx.attrs and node.inputs[0] in offsets:
                 args[2] = None  # the probabilities' gradient is anchored: PopART's direct
                 #                 Softmax-Nll pattern does not apply (its tensor is kept)
-            try:
-                with _own_partials(node):
-                    if node.static:
-                        with jax.ensure_compile_time_eval():
-                            results = tuple(np.asarray(r) for r
-                                            in node.op(node.ctx.with_values(args), *args))
-                    else:
-                        results = node.op(node.ctx.with_values(args), *args)
-                        if fresh and any(n in fresh for n in node.inputs):
-                            results = _fresh_gradient(node, args, fresh, results)
-            except ModelError:
-                raise
-            except NotSupported as err:
-                failed = UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"])
-                failed.popart_text = getattr(err, "popart_text", None)
-                raise failed from err
-            except Exception as err:  # JAX's shape and type errors do not name the node
-                shapes = ", ".join(f"{n or '(omitted)'}: {_describe(a)}"
-                                   for n, a in zip(node.inputs, args, strict=True))
-                raise NodeFailed(
-                    f"node {node.label} ({node.ctx.op_type}) cannot be computed from its inputs "
-                    f"[{clip(shapes, 400)}]: {type(err).__name__}: {clip(str(err), 400)} Fix: "
-                    f"correct the shapes or types feeding this node (onnx.checker with shape "
-                    f"inference finds most such mistakes).") from err
+            results = _compute(node, args, fresh)
             missing = [name for i, name in enumerate(node.outputs) if name and i >= len(results)]
             if missing:
                 raise UnsupportedModel([f"{node.label} ({node.ctx.op_type}): outputs {missing} "
@@ -375,6 +425,54 @@ def _fused_node(first: _Node, second: _Node, at: int, fn: Callable[..., Any]) ->
               second.ctx.opset, {}, inputs, second.outputs, flags)
     return _Node(ctx.name, _Fused(first, second, at, fn), ctx, inputs,  # type: ignore[arg-type]
                  second.outputs, False, first.partials, second.recompute)
+
+
+def _compute(node: _Node, args: list[Any],
+             fresh: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """The node's outputs from its inputs' values ``args`` (``fresh``: see
+    :meth:`LoweredGraph.evaluate`), its failures named as the node's."""
+    try:
+        with _own_partials(node):
+            if node.static:
+                with jax.ensure_compile_time_eval():
+                    return tuple(np.asarray(r) for r in node.op(node.ctx.with_values(args), *args))
+            results = node.op(node.ctx.with_values(args), *args)
+            if fresh and any(n in fresh for n in node.inputs):
+                results = _fresh_gradient(node, args, fresh, results)
+            return results
+    except ModelError:
+        raise
+    except NotSupported as err:
+        failed = UnsupportedModel([f"{node.label} ({node.ctx.op_type}): {err}"])
+        failed.popart_text = getattr(err, "popart_text", None)
+        raise failed from err
+    except Exception as err:  # JAX's shape and type errors do not name the node
+        shapes = ", ".join(f"{n or '(omitted)'}: {_describe(a)}"
+                           for n, a in zip(node.inputs, args, strict=True))
+        raise NodeFailed(
+            f"node {node.label} ({node.ctx.op_type}) cannot be computed from its inputs "
+            f"[{clip(shapes, 400)}]: {type(err).__name__}: {clip(str(err), 400)} Fix: "
+            f"correct the shapes or types feeding this node (onnx.checker with shape "
+            f"inference finds most such mistakes).") from err
+
+
+def _delegable(node: _Node) -> bool:
+    """Whether onnxruntime may run the node in a segment (:mod:`.delegated`): an ONNX operator
+    of :data:`~.delegated.OPS` as the model has it, computed when traced (not BatchNormalization
+    in training mode). A partials type does not matter: segments run float32 only."""
+    return (node.proto is not None and node.ctx.op_type in delegated.OPS
+            and node.op is OPS.get(("", node.ctx.op_type)) and not node.static
+            and SOFTMAX_AXIS not in node.ctx.attrs and not node.ctx.attr("training_mode", 0))
+
+
+def _without_popart_attributes(node: onnx.NodeProto) -> onnx.NodeProto:
+    """``node`` without the Builder's own attributes (``__ipu_number``, ...), which
+    onnxruntime does not know."""
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    del out.attribute[:]
+    out.attribute.extend(a for a in node.attribute if not a.name.startswith("__"))
+    return out
 
 
 def _segments(plan: list[_Node], keep: Any, fresh: bool) -> list[list[_Node]]:
@@ -746,7 +844,7 @@ def _lower_graph(graph: onnx.GraphProto, opset: int, given: dict[str, np.ndarray
                     continue
                 # in a subgraph (an If branch not taken?) it fails only if it runs
         nodes.append(_Node(label, entry, ctx, tuple(node.input), tuple(node.output), is_static,
-                           own_partials, _recompute_type(node)))
+                           own_partials, _recompute_type(node), node))
 
     outputs = [o.name for o in graph.output]
     for name in outputs:

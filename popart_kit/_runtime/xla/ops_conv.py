@@ -65,6 +65,11 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   slower on the grouped row). A program holding a callback is not kept by the
   persistent compilation cache (JAX does not serialise host callbacks).
 
+In an inference session on one CPU device, a float32 convolution is mostly not lowered here
+at all: it runs inside an onnxruntime session with its neighbours (:mod:`.delegated`), which
+holds the weights as constants and so reorders the filter once. What this module chooses
+runs in training, in half precision and wherever a segment is not delegated.
+
 Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
 convolution but for 1x1, where it is even); space-to-depth for the strided 4x4 kernel (no
 gain); block-diagonal dense weights for grouped convolutions (slower than ``split``);

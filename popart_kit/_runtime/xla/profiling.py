@@ -60,7 +60,8 @@ def _cost(program: Any) -> dict[str, float]:
         return {}
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
-    return {k: float(cost[k]) for k in _COST_FIELDS if cost and k in cost}
+    # XLA counts -1 where it cannot tell (a program handing work to onnxruntime): left out
+    return {k: float(cost[k]) for k in _COST_FIELDS if cost and k in cost and cost[k] >= 0}
 
 
 def _memory(program: Any) -> dict[str, int]:

@@ -31,8 +31,9 @@ from ..._host.stepio import StepIOFactory, TensorSpec
 from ..._model.builder import broadcast_inputs
 from ...errors import ConfigTypeError, InvalidConfig
 from ..backend import check_weights
-from . import profiling
+from . import delegated, profiling
 from .anchors import AnchorBuffers, chunk_size
+from .delegated import Delegation
 from .distributed import initialize, watching, world
 from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
 from .grouped import (
@@ -131,8 +132,11 @@ class XlaBackend:
         self.unpipelined_because = ""
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
-        self.staged = AlignedInputs(self.placement.platform == "cpu" and not
-                                    self.placement.several and self.pipeline is None)
+        one_cpu = (self.placement.platform == "cpu" and not self.placement.several
+                   and self.pipeline is None)
+        self.staged = AlignedInputs(one_cpu)
+        if one_cpu and not self.training and delegated.available():
+            self.graph.delegation = Delegation()  # forward segments by onnxruntime
 
     def _trips(self) -> int:
         """How many chunks a step evaluates."""
@@ -423,6 +427,8 @@ class XlaBackend:
             if not self.prepared:
                 self.prepare()
             host = self._host_inputs(inputs)
+            if self.graph.delegation is not None:
+                self.graph.delegation.offer(self.state.weights)
             if self.placement.processes == 1 and not self.config.profiling.auto_report_dir:
                 result = self.executor.run(host, self.state, self.hyper)  # nothing to wrap
             else:

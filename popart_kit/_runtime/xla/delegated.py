@@ -1,0 +1,294 @@
+"""Forward subgraphs of a CPU inference program run by onnxruntime, each in one call.
+
+An inference session on one CPU device hands each run of consecutive nodes whose forward
+arithmetic in PopART is ONNX's (:data:`OPS`, float32; the operator table's "as ONNX" rows) and
+that holds a Conv, Gemm or MatMul (:data:`HEAVY`) to one onnxruntime session, called inside
+the XLA program by ``jax.experimental.buffer_callback`` on XLA's own buffers (``io_binding``:
+no copies). The session is onnxruntime's whole optimizer at work on the subgraph: MLAS's
+channel-blocked convolutions kept blocked from one to the next, its fused activations, its
+packed matrix products. Where XLA:CPU runs such a model 2-3x slower than onnxruntime (its
+convolutions and matrix products), the program then runs at onnxruntime's speed plus the
+call's fixed cost.
+
+onnxruntime's optimizer rewrites convolutions and packs matrices only for weights it holds as
+constants, so a segment's session is built with the weights' values in it ("baked"), for the
+weight buffers a run passes: the runtime offers the session's current weights
+(:meth:`Delegation.offer`) and a baked session keeps the arrays it was built from alive, so
+their memory can hold nothing else while the session is in use (a run with other weights, by
+buffer address, builds another; :data:`KEEP` per segment). Where the weights passed are not
+the offered ones, the segment runs a session that reads them as inputs instead.
+
+What is never delegated: training (the backward needs XLA's forward), half precision and
+integer tensors (the segment runs the XLA lowering, decided when traced; a partials type,
+which only half precision reads, does not matter), a segment whose outputs are not all
+float32 (a MaxPool's indices read elsewhere), a segment onnxruntime refuses to build (XLA
+then runs it). Under ``vmap``
+(micro-batches and replicas of a chunk) the segment's session runs once per micro-batch and
+replica in the same call; a batched weight (grouped weights) runs the XLA lowering. A
+segment is differentiable (its gradient is the XLA lowering's) though no session asks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import conv_mlas
+
+__all__ = ["HEAVY", "KEEP", "OPS", "Delegation", "Segment", "available"]
+
+#: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
+#: segment may hold.
+OPS = frozenset({
+    "Add", "AveragePool", "BatchNormalization", "Concat", "Conv", "Div", "Flatten", "Gemm",
+    "GlobalAveragePool", "GlobalMaxPool", "Identity", "LeakyRelu", "MatMul", "MaxPool", "Mul",
+    "Relu", "Reshape", "Sigmoid", "Softmax", "Squeeze", "Sub", "Sum", "Tanh", "Transpose",
+    "Unsqueeze",
+})
+
+#: A segment is delegated only when it holds one of these (elsewhere XLA is as fast).
+HEAVY = frozenset({"Conv", "Gemm", "MatMul"})
+
+#: Baked sessions kept per segment and shape (each with the weight arrays it was built from).
+KEEP = 2
+
+
+def available() -> bool:
+    """Whether onnxruntime imports and jax has ``buffer_callback``."""
+    return conv_mlas.available()
+
+
+class Delegation:
+    """A lowered graph's delegated segments' shared state: the weights the runtime offers for
+    baking, by buffer address."""
+
+    def __init__(self) -> None:
+        self._offered: dict[int, jax.Array] = {}
+        self._source: Mapping[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def offer(self, weights: Mapping[str, Any]) -> None:
+        """The session's current weights (device arrays on the CPU), which a run passes to the
+        program: segments may build sessions holding their values."""
+        if weights is self._source:
+            return
+        offered = {}
+        for array in weights.values():
+            if isinstance(array, jax.Array) and len(array.devices()) == 1 and array.size:
+                offered[array.unsafe_buffer_pointer()] = array
+        with self._lock:
+            self._offered, self._source = offered, weights
+
+    def arrays_at(self, addresses: Sequence[int]) -> list[jax.Array] | None:
+        """The offered arrays whose buffers are at ``addresses`` (None unless all are): alive
+        while offered, so the memory at an address is theirs."""
+        with self._lock:
+            found = [self._offered.get(a) for a in addresses]
+        return None if any(a is None for a in found) else found  # type: ignore[return-value]
+
+
+class _Plan:
+    """One segment at one set of operand shapes: its onnxruntime sessions (weights as inputs;
+    baked, by weight buffer addresses) and the names of the operands and outputs."""
+
+    def __init__(self, build: Callable[[dict[str, np.ndarray] | None], Any],
+                 weights: list[str], delegation: Delegation) -> None:
+        self._build, self._weights, self._delegation = build, weights, delegation
+        self.unbaked = build(None)  # validates the subgraph: raises where onnxruntime refuses
+        self._baked: OrderedDict[tuple[int, ...], tuple[Any, list[jax.Array]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def session(self, weights: Sequence[np.ndarray]) -> tuple[Any, bool]:
+        """The session for a run passing ``weights`` (host views of the weight operands),
+        and whether it holds them (baked)."""
+        if not weights:
+            return self.unbaked, True
+        addresses = tuple(w.ctypes.data for w in weights)
+        with self._lock:
+            found = self._baked.get(addresses)
+            if found is not None:
+                self._baked.move_to_end(addresses)
+                return found[0], True
+            arrays = self._delegation.arrays_at(addresses)
+            if arrays is None:
+                return self.unbaked, False
+            session = self._build({n: np.array(w) for n, w in
+                                   zip(self._weights, weights, strict=True)})
+            self._baked[addresses] = (session, arrays)
+            while len(self._baked) > KEEP:
+                self._baked.popitem(last=False)
+            return session, True
+
+
+class Segment:
+    """The operator of a delegated segment: ``nodes`` (onnx NodeProtos, in order, with their
+    PopART-only attributes dropped) reading ``reads`` and giving ``outputs``; ``weights``: the
+    reads that are weights; ``xla(args)`` computes the outputs the XLA way (each node's
+    lowering, in turn) from the reads' values."""
+
+    def __init__(self, name: str, nodes: list[Any], reads: Sequence[str],
+                 outputs: Sequence[str], weights: set[str], opset: int,
+                 xla: Callable[[list[Any]], tuple[Any, ...]], delegation: Delegation) -> None:
+        self.name, self.nodes, self.reads, self.outputs = name, nodes, list(reads), list(outputs)
+        self.weights, self.opset, self._xla, self._delegation = weights, opset, xla, delegation
+        self._plans: dict[tuple, _Plan | None] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, ctx: Any, *args: Any) -> tuple[Any, ...]:
+        traced = [i for i, a in enumerate(args) if a is not None and not isinstance(a, np.ndarray)]
+        constants = {self.reads[i]: a for i, a in enumerate(args) if isinstance(a, np.ndarray)}
+
+        def xla(*values: Any) -> tuple[Any, ...]:
+            full = list(args)
+            for i, v in zip(traced, values, strict=True):
+                full[i] = v
+            return tuple(self._xla(full))
+
+        values = [args[i] for i in traced]
+        if any(np.dtype(v.dtype) != np.float32 for v in values):
+            return xla(*values)
+        types = jax.eval_shape(xla, *[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values])
+        if any(np.dtype(t.dtype) != np.float32 for t in types):
+            return xla(*values)
+        names = [self.reads[i] for i in traced]
+        plan = self._plan(names, values, constants, types)
+        if plan is None:
+            return xla(*values)
+        kinds = [name in self.weights for name in names]
+        return _delegated(plan, names, self.outputs, kinds, types, xla, values)
+
+    def _plan(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
+              types: Sequence[Any]) -> _Plan | None:
+        """The plan for these operand shapes (made once; None where onnxruntime refuses)."""
+        key = (tuple((n, tuple(v.shape)) for n, v in zip(names, values, strict=True)),
+               tuple((n, a.dtype.str, a.shape, a.tobytes()) for n, a in constants.items()))
+        with self._lock:
+            if key in self._plans:
+                return self._plans[key]
+            weights = [n for n in names if n in self.weights]
+            shapes = {n: tuple(v.shape) for n, v in zip(names, values, strict=True)}
+            out_shapes = {n: tuple(t.shape) for n, t in zip(self.outputs, types, strict=True)}
+
+            def build(baked: dict[str, np.ndarray] | None) -> Any:
+                return _session(self, shapes, constants, out_shapes, baked)
+
+            try:
+                plan: _Plan | None = _Plan(build, weights, self._delegation)
+            except Exception:  # noqa: BLE001 - onnxruntime refuses it: XLA runs the nodes
+                plan = None
+            self._plans[key] = plan
+            return plan
+
+
+def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
+             constants: Mapping[str, np.ndarray], out_shapes: Mapping[str, tuple[int, ...]],
+             baked: Mapping[str, np.ndarray] | None) -> Any:
+    """An onnxruntime session of ``segment``: its traced operands as inputs (but the weights
+    in ``baked``, which it holds as constants with ``constants``)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    held = {**constants, **(baked or {})}
+    initializers = [numpy_helper.from_array(
+        a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else a, name)
+        for name, a in held.items()]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s))
+              for n, s in shapes.items() if n not in held]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s))
+               for n, s in out_shapes.items()]
+    graph = helper.make_graph(segment.nodes, segment.name, inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", segment.opset)])
+    model.ir_version = min(model.ir_version, 10)
+    return ort.InferenceSession(model.SerializeToString(), conv_mlas.options(spinning=True),
+                                providers=["CPUExecutionProvider"])
+
+
+def _delegated(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
+               types: Sequence[Any], xla: Callable[..., tuple[Any, ...]],
+               values: list[Any]) -> tuple[Any, ...]:
+    """The segment's outputs from ``values`` by ``plan``'s sessions, differentiated (and, for
+    batched weights, batched) as ``xla``."""
+
+    @jax.custom_vjp
+    def run(*values: Any) -> tuple[Any, ...]:
+        return _call(plan, names, outputs, kinds, types, xla, (),
+                     (False,) * len(values))(*values)
+
+    def forward(*values: Any) -> tuple[Any, Any]:
+        return jax.vjp(xla, *values)
+
+    def backward(vjp: Any, cotangents: Any) -> Any:
+        return vjp(cotangents)
+
+    run.defvjp(forward, backward)
+    return run(*values)
+
+
+def _looped_xla(xla: Callable[..., Any], loops: tuple[int, ...],
+                looped: Sequence[bool]) -> Callable[..., Any]:
+    """``xla`` over the leading ``loops`` axes of the looped operands."""
+    fn = xla
+    for _ in loops:
+        fn = jax.vmap(fn, in_axes=tuple(0 if flag else None for flag in looped))
+    return fn
+
+
+def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
+          types: Sequence[Any], xla: Callable[..., Any], loops: tuple[int, ...],
+          looped: tuple[bool, ...]) -> Callable[..., tuple[Any, ...]]:
+    """The buffer callback running the segment once per index of ``loops`` (the leading axes
+    of the ``looped`` operands; the others shared), batched by custom_vmap."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    results = [jax.ShapeDtypeStruct((*loops, *t.shape), t.dtype) for t in types]
+
+    def run(ctx: Any, outs: Any, *ins: Any) -> None:
+        arrays = [np.asarray(a) for a in ins]
+        session, baked = plan.session([a for a, w in zip(arrays, kinds, strict=True) if w])
+        fed = [(n, a, flag) for n, a, flag, w in zip(names, arrays, looped, kinds, strict=True)
+               if not (w and baked)]
+        targets = [np.asarray(o) for o in (outs if isinstance(outs, list | tuple) else [outs])]
+        binding = session.io_binding()
+        for index in np.ndindex(*loops):
+            for name, array, flag in fed:
+                binding.bind_cpu_input(name, array[index] if flag else array)
+            for name, target in zip(outputs, targets, strict=True):
+                view = target[index]
+                binding.bind_output(name, "cpu", 0, np.float32, list(view.shape),
+                                    view.ctypes.data)
+            session.run_with_iobinding(binding)
+
+    @jax.custom_batching.custom_vmap
+    def call(*values: Any) -> tuple[Any, ...]:
+        return tuple(buffer_callback(run, results)(*values))
+
+    @call.def_vmap
+    def batched(size: int, in_batched: Sequence[bool], *values: Any) -> tuple[Any, Any]:
+        if any(b and w for b, w in zip(in_batched, kinds, strict=True)):
+            fn = jax.vmap(_looped_xla(xla, loops, looped),
+                          in_axes=tuple(0 if b else None for b in in_batched), axis_size=size)
+            out = fn(*values)
+            return out, tuple(True for _ in out)
+        moved, flags = [], []
+        for value, b, flag in zip(values, in_batched, looped, strict=True):
+            if not b and not flag:
+                moved.append(value)
+                flags.append(False)
+                continue
+            base = value.shape[(1 if b else 0) + (len(loops) if flag else 0):]
+            if b and not flag:
+                value = value.reshape((size,) + (1,) * len(loops) + base)
+            value = jax.numpy.broadcast_to(value, (size, *loops, *base))
+            moved.append(value)
+            flags.append(True)
+        out = _call(plan, names, outputs, kinds, types, xla, (size, *loops),
+                    tuple(flags))(*moved)
+        return out, tuple(True for _ in out)
+
+    return call
+

@@ -1,0 +1,217 @@
+"""Forward segments of a CPU inference program run by onnxruntime (delegated.py): the same
+values as the XLA lowering, the session's current weights always, every micro-batch and
+replica its own, and XLA wherever a segment cannot be delegated."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import popart_kit as pk
+from popart_kit._runtime.xla import delegated
+from popart_kit._runtime.xla.lowering import lower
+
+pytestmark = pytest.mark.skipif(not delegated.available(), reason="needs onnxruntime")
+
+
+def _convnet(dtype: type = np.float32, batch: int = 2) -> onnx.ModelProto:
+    """Conv, Relu, MaxPool, Conv, Relu, GlobalAveragePool, Flatten, Gemm, Softmax."""
+    rng = np.random.default_rng(0)
+    k1 = (rng.standard_normal((8, 3, 3, 3)) / 4).astype(dtype)
+    k2 = (rng.standard_normal((16, 8, 3, 3)) / 8).astype(dtype)
+    w = (rng.standard_normal((16, 10)) / 4).astype(dtype)
+    b = (rng.standard_normal(10) / 4).astype(dtype)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [
+        helper.make_node("Conv", ["x", "k1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "k2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"], axis=1),
+        helper.make_node("Gemm", ["f", "w", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["y"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "convnet", [helper.make_tensor_value_info("x", elem, [batch, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", elem, [batch, 10])],
+        [numpy_helper.from_array(a, n) for a, n in ((k1, "k1"), (k2, "k2"), (w, "w"),
+                                                    (b, "b"))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _session(model: onnx.ModelProto, bps: int = 1, anchors: dict | None = None,
+             **options: object) -> pk.InferenceSession:
+    return pk.InferenceSession(model.SerializeToString(), pk.SessionConfig(
+        mode="inference", batches_per_step=bps, device={"target": "offline"}),
+        anchors=anchors, backend="xla", **options)
+
+
+def _x(shape: tuple[int, ...], seed: int = 0, dtype: type = np.float32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _xla(model: onnx.ModelProto, x: np.ndarray, wanted: str = "y",
+         weights: dict | None = None) -> np.ndarray:
+    """The XLA lowering's values, micro-batch by micro-batch (no delegation)."""
+    graph = lower(model)
+    return np.stack([np.asarray(graph.evaluate(weights or {}, {"x": v}, [wanted])[wanted])
+                     for v in x.reshape((-1, *graph.inputs["x"][0]))])
+
+
+def _segments(sess: pk.InferenceSession) -> list[delegated.Segment]:
+    graph = sess._live.graph
+    return [n.op for plan in graph._delegated_plans.values() for n in plan
+            if isinstance(n.op, delegated.Segment)]
+
+
+def test_a_convnet_runs_as_one_segment_with_the_xla_lowerings_values():
+    model = _convnet()
+    sess = _session(model)
+    x = _x((2, 3, 16, 16))
+    y = sess.run({"x": x})["y"]
+    [segment] = _segments(sess)
+    assert len(segment.nodes) == 9 and segment.outputs == ["y"]
+    np.testing.assert_allclose(y, _xla(model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_new_weights_are_what_the_next_run_computes_with():
+    """A session holding the weights' values is built per set of weight buffers: after
+    write_weights the run reads the new values (a stale session would give the old)."""
+    model = _convnet()
+    sess = _session(model)
+    x = _x((2, 3, 16, 16))
+    before = sess.run({"x": x})["y"]
+    w = sess.weights()["w"] * -2.0
+    sess.write_weights({"w": w})
+    after = sess.run({"x": x})["y"]
+    np.testing.assert_allclose(after, _xla(model, x, weights={"w": w})[0], rtol=1e-5,
+                               atol=1e-6)
+    assert not np.allclose(before, after)
+    sess.write_weights({"w": w / -2.0})
+    np.testing.assert_allclose(sess.run({"x": x})["y"], before, rtol=1e-6, atol=1e-7)
+    [segment] = _segments(sess)
+    [plan] = [p for p in segment._plans.values() if p is not None]
+    assert len(plan._baked) == delegated.KEEP  # the older sessions went with their weights
+
+
+@pytest.mark.parametrize("bps, chunk", [(4, 4), (4, 2), (3, 1)])
+def test_each_micro_batch_is_its_own_run_of_the_segment(bps, chunk):
+    model = _convnet()
+    sess = _session(model, bps, micro_batches_per_chunk=chunk)
+    x = _x((bps, 2, 3, 16, 16), seed=bps + chunk)
+    y = sess.run({"x": x})["y"]
+    np.testing.assert_allclose(y, _xla(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_anchor_inside_a_segment_is_one_of_its_outputs():
+    model = _convnet()
+    sess = _session(model, anchors={"p1": "All", "y": "All"})
+    x = _x((2, 3, 16, 16), seed=3)
+    out = sess.run({"x": x})
+    [segment] = _segments(sess)
+    assert segment.outputs == ["p1", "y"]
+    np.testing.assert_allclose(out["p1"], _xla(model, x, "p1")[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["y"], _xla(model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_half_precision_runs_the_xla_lowering():
+    model = _convnet(np.float16)
+    sess = _session(model)
+    x = _x((2, 3, 16, 16), dtype=np.float16)
+    y = sess.run({"x": x})["y"]
+    [segment] = _segments(sess)
+    assert not any(segment._plans.values())  # decided when traced: no session made
+    np.testing.assert_allclose(y.astype(np.float32), _xla(model, x)[0].astype(np.float32),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_a_segment_onnxruntime_refuses_runs_the_xla_lowering(monkeypatch):
+    def refuse(*args: object) -> None:
+        raise RuntimeError("onnxruntime refuses")
+
+    monkeypatch.setattr(delegated, "_session", refuse)
+    model = _convnet()
+    sess = _session(model)
+    x = _x((2, 3, 16, 16), seed=5)
+    np.testing.assert_allclose(sess.run({"x": x})["y"], _xla(model, x)[0], rtol=1e-5,
+                               atol=1e-6)
+    [segment] = _segments(sess)
+    assert list(segment._plans.values()) == [None]
+
+
+def test_weights_not_offered_are_read_as_inputs():
+    """Evaluated outside a session (nothing offered), the segment's session takes the weights
+    as inputs: nothing is held that a later call could find stale."""
+    import jax
+
+    model = _convnet()
+    graph = lower(model)
+    graph.delegation = delegated.Delegation()
+    x = _x((2, 3, 16, 16), seed=7)
+    run = jax.jit(lambda w, v: graph.evaluate(w, {"x": v}, ["y"])["y"])
+    weights = {k: jax.numpy.asarray(v) for k, v in graph.weights.items()}
+    np.testing.assert_allclose(run(weights, x), _xla(model, x[None])[0], rtol=1e-5, atol=1e-6)
+    doubled = {**weights, "w": weights["w"] * 2}
+    np.testing.assert_allclose(run(doubled, x),
+                               _xla(model, x[None], weights={"w": np.asarray(doubled["w"])})[0],
+                               rtol=1e-5, atol=1e-6)
+    [segment] = [n.op for p in graph._delegated_plans.values() for n in p
+                 if isinstance(n.op, delegated.Segment)]
+    assert all(not p._baked for p in segment._plans.values() if p is not None)
+
+
+def test_a_segment_differentiates_as_the_xla_lowering():
+    import jax
+
+    model = _convnet()
+    graph = lower(model)
+    plain = lower(model)
+    graph.delegation = delegated.Delegation()
+    x = _x((2, 3, 16, 16), seed=9)
+    weights = {k: jax.numpy.asarray(v) for k, v in graph.weights.items()}
+
+    def loss(g, w):
+        return (g.evaluate(w, {"x": x}, ["y"])["y"] ** 2).sum()
+
+    got = jax.grad(lambda w: loss(graph, w))(weights)
+    want = jax.grad(lambda w: loss(plain, w))(weights)
+    for name in weights:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_an_operator_onnxruntime_is_not_given_splits_the_segments():
+    """A node outside delegated.OPS (Neg here) runs by XLA between two segments; a segment
+    without a Conv, Gemm or MatMul is left to XLA."""
+    model = _convnet()
+    nodes = list(model.graph.node)
+    nodes[5].input[0] = "n"  # GlobalAveragePool reads Neg(r2)
+    nodes.insert(5, helper.make_node("Neg", ["r2"], ["n"]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    graph = lower(model)
+    graph.delegation = delegated.Delegation()
+    plan = graph._delegated(("y",))
+    assert [type(n.op).__name__ for n in plan] == ["Segment", type(graph.nodes[5].op).__name__,
+                                                   "Segment"]
+    assert [n.label for n in plan] == ["c1..r2", "n", "g..y"]
+    x = _x((2, 3, 16, 16), seed=11)
+    sess = _session(model)
+    np.testing.assert_allclose(sess.run({"x": x})["y"], _xla(model, x)[0], rtol=1e-5,
+                               atol=1e-6)
+    tail = graph._delegated(("g",))  # GlobalAveragePool alone after the Neg: XLA's
+    assert [type(n.op).__name__ for n in tail][1:] == [type(n.op).__name__
+                                                       for n in graph.nodes[5:7]]
+
+
+def test_training_sessions_are_not_delegated():
+    model = _convnet()
+    model.graph.node.append(helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    sess = pk.TrainingSession(model.SerializeToString(), pk.SessionConfig(
+        mode="training", device={"target": "offline"}), loss="loss",
+        optimizer=pk.SGD(learning_rate=0.1), backend="xla")
+    assert sess._live.graph.delegation is None
