@@ -215,3 +215,67 @@ def test_training_sessions_are_not_delegated():
         mode="training", device={"target": "offline"}), loss="loss",
         optimizer=pk.SGD(learning_rate=0.1), backend="xla")
     assert sess._live.graph.delegation is None
+
+
+def _mlp(batch: int = 4, reshape: list[int] | None = None) -> onnx.ModelProto:
+    """MatMul, Relu, MatMul, Softmax over a [batch, 8] input (a Reshape to ``reshape`` first,
+    when given)."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 16)) / 3).astype(np.float32), "w0"),
+             numpy_helper.from_array((rng.standard_normal((16, 5)) / 3).astype(np.float32), "w1")]
+    nodes = [helper.make_node("MatMul", ["h", "w0"], ["a"]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("MatMul", ["r", "w1"], ["l"]),
+             helper.make_node("Softmax", ["l"], ["y"], axis=1)]
+    if reshape is None:
+        nodes[0].input[0] = "x"
+    else:
+        inits.append(numpy_helper.from_array(np.array(reshape, np.int64), "shape"))
+        nodes.insert(0, helper.make_node("Reshape", ["x", "shape"], ["h"]))
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("reshape, stacked", [(None, True), ([-1, 8], True), ([4, 8], False)])
+def test_a_chunks_micro_batches_run_stacked_where_every_node_keeps_them_apart(reshape,
+                                                                              stacked):
+    """bps 4 in one chunk: one run of 16 rows rather than four of 4, unless a node could mix
+    the micro-batches (a Reshape naming the batch size: each runs alone)."""
+    model = _mlp(reshape=reshape)
+    sess = _session(model, 4, micro_batches_per_chunk=4)
+    x = _x((4, 4, 8), seed=13)
+    np.testing.assert_allclose(sess.run({"x": x})["y"], _xla(model, x), rtol=1e-5, atol=1e-6)
+    [segment] = _segments(sess)
+    rows = {dict(key[0])["x"][0] for key, plan in segment._plans.items() if plan is not None}
+    assert rows == ({4, 16} if stacked else {4})
+
+
+def test_foldable_refuses_what_could_touch_axis_0():
+    from onnx import helper as h
+
+    shapes = {"x": (4, 8), "y": (4, 8), "t": (8, 4)}
+
+    def one(node: onnx.NodeProto, constants: dict | None = None) -> bool:
+        return delegated.foldable([node], {"x"}, shapes, constants or {}, 13)
+
+    assert one(h.make_node("Softmax", ["x"], ["y"], axis=1))
+    assert one(h.make_node("Softmax", ["x"], ["y"], axis=-1))
+    assert not one(h.make_node("Softmax", ["x"], ["y"], axis=0))
+    assert not one(h.make_node("Softmax", ["x"], ["y"], axis=-2))
+    assert one(h.make_node("Transpose", ["x"], ["y"], perm=[0, 1]))
+    assert not one(h.make_node("Transpose", ["x"], ["t"], perm=[1, 0]))
+    assert not one(h.make_node("Transpose", ["x"], ["t"]))
+    assert not one(h.make_node("Gemm", ["x", "w"], ["y"], transA=1))
+    assert not one(h.make_node("MatMul", ["w", "x"], ["y"]))
+    assert not one(h.make_node("Concat", ["x", "w"], ["y"], axis=1))
+    assert not one(h.make_node("Concat", ["x", "x"], ["y"], axis=0))
+    assert one(h.make_node("Concat", ["x", "x"], ["y"], axis=1))
+    assert not one(h.make_node("Flatten", ["x"], ["y"], axis=0))
+    assert not one(h.make_node("Reshape", ["x", "s"], ["y"]), {"s": np.array([4, 8])})
+    assert one(h.make_node("Reshape", ["x", "s"], ["y"]), {"s": np.array([-1, 8])})
+    assert not one(h.make_node("Unsqueeze", ["x", "a"], ["y"]), {"a": np.array([0])})
+    assert one(h.make_node("Unsqueeze", ["x", "a"], ["y"]), {"a": np.array([1])})
+    assert not one(h.make_node("Squeeze", ["x"], ["y"]))
+    assert not one(h.make_node("Neg", ["x"], ["y"]))  # not known to keep it: no

@@ -23,8 +23,11 @@ integer tensors (the segment runs the XLA lowering, decided when traced; a parti
 which only half precision reads, does not matter), a segment whose outputs are not all
 float32 (a MaxPool's indices read elsewhere), a segment onnxruntime refuses to build (XLA
 then runs it). Under ``vmap``
-(micro-batches and replicas of a chunk) the segment's session runs once per micro-batch and
-replica in the same call; a batched weight (grouped weights) runs the XLA lowering. A
+(micro-batches and replicas of a chunk) the micro-batches run as one, stacked along axis 0,
+where every node keeps that axis apart (:func:`foldable`, and the XLA lowering agrees on the
+stacked shapes): MLP 784-256-256-10 at micro-batch 32, bps 16, 0.6 ms a run against 0.9 ms
+one by one; elsewhere the session runs once per micro-batch and replica in the same call. A
+batched weight (grouped weights) runs the XLA lowering. A
 segment is differentiable (its gradient is the XLA lowering's) though no session asks.
 """
 
@@ -40,7 +43,7 @@ import numpy as np
 
 from . import conv_mlas
 
-__all__ = ["HEAVY", "KEEP", "OPS", "Delegation", "Segment", "available"]
+__all__ = ["HEAVY", "KEEP", "OPS", "Delegation", "Segment", "available", "foldable"]
 
 #: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
 #: segment may hold.
@@ -143,24 +146,64 @@ class Segment:
         traced = [i for i, a in enumerate(args) if a is not None and not isinstance(a, np.ndarray)]
         constants = {self.reads[i]: a for i, a in enumerate(args) if isinstance(a, np.ndarray)}
 
-        def xla(*values: Any) -> tuple[Any, ...]:
+        def every(*values: Any) -> dict[str, Any]:  # every tensor of the segment, by XLA
             full = list(args)
             for i, v in zip(traced, values, strict=True):
                 full[i] = v
-            return tuple(self._xla(full))
+            return self._xla(full)
 
         values = [args[i] for i in traced]
         if any(np.dtype(v.dtype) != np.float32 for v in values):
-            return xla(*values)
-        types = jax.eval_shape(xla, *[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values])
+            return self._outputs(every(*values))
+        return self._delegate([self.reads[i] for i in traced], values, constants, every, True)
+
+    def _outputs(self, tensors: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(tensors[o] for o in self.outputs)
+
+    def _delegate(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
+                  every: Callable[..., dict[str, Any]], fold: bool) -> tuple[Any, ...]:
+        """The outputs from the traced operands ``values`` (named ``names``) by a plan for
+        their shapes, else by XLA; ``fold``: micro-batches batched by vmap may be stacked into
+        one run where :func:`foldable` says so."""
+        def xla(*values: Any) -> tuple[Any, ...]:
+            return self._outputs(every(*values))
+
+        abstract = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
+        tensors = jax.eval_shape(every, *abstract)
+        types = self._outputs(tensors)
         if any(np.dtype(t.dtype) != np.float32 for t in types):
             return xla(*values)
-        names = [self.reads[i] for i in traced]
         plan = self._plan(names, values, constants, types)
         if plan is None:
             return xla(*values)
         kinds = [name in self.weights for name in names]
-        return _delegated(plan, names, self.outputs, kinds, types, xla, values)
+        stack = None
+        per_sample = {n for n, w in zip(names, kinds, strict=True) if not w}
+        if fold and per_sample and foldable(
+                self.nodes, per_sample, {n: t.shape for n, t in tensors.items()}, constants,
+                self.opset):
+            def stack(size: int, values: Sequence[Any]) -> tuple[Any, ...] | None:
+                return self._stacked(size, names, values, kinds, constants, every, types)
+        return _delegated(plan, names, self.outputs, kinds, types, xla, values, stack)
+
+    def _stacked(self, size: int, names: list[str], values: Sequence[Any], kinds: list[bool],
+                 constants: dict[str, np.ndarray], every: Callable[..., dict[str, Any]],
+                 types: Sequence[Any]) -> tuple[Any, ...] | None:
+        """The outputs of ``size`` micro-batches (the per-sample operands' leading axis) as
+        one run of the segment with them stacked along axis 0, where the XLA lowering agrees
+        that the stacked shapes give stacked outputs (else None: run them one by one)."""
+        stacked = [v if w else v.reshape((size * v.shape[1], *v.shape[2:]))
+                   for v, w in zip(values, kinds, strict=True)]
+        try:
+            got = self._outputs(jax.eval_shape(
+                every, *[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in stacked]))
+        except Exception:  # noqa: BLE001 - shapes that do not stack (a literal batch size)
+            return None
+        if any(not t.shape or tuple(g.shape) != (size * t.shape[0], *t.shape[1:])
+               for g, t in zip(got, types, strict=True)):
+            return None
+        out = self._delegate(names, stacked, constants, every, False)
+        return tuple(o.reshape((size, *t.shape)) for o, t in zip(out, types, strict=True))
 
     def _plan(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
               types: Sequence[Any]) -> _Plan | None:
@@ -210,14 +253,16 @@ def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
 
 def _delegated(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
                types: Sequence[Any], xla: Callable[..., tuple[Any, ...]],
-               values: list[Any]) -> tuple[Any, ...]:
+               values: list[Any], stack: Callable[..., Any] | None = None
+               ) -> tuple[Any, ...]:
     """The segment's outputs from ``values`` by ``plan``'s sessions, differentiated (and, for
-    batched weights, batched) as ``xla``."""
+    batched weights, batched) as ``xla``; ``stack(size, values)``: the outputs of micro-batches
+    batched by vmap as one stacked run, or None."""
 
     @jax.custom_vjp
     def run(*values: Any) -> tuple[Any, ...]:
         return _call(plan, names, outputs, kinds, types, xla, (),
-                     (False,) * len(values))(*values)
+                     (False,) * len(values), stack)(*values)
 
     def forward(*values: Any) -> tuple[Any, Any]:
         return jax.vjp(xla, *values)
@@ -240,9 +285,11 @@ def _looped_xla(xla: Callable[..., Any], loops: tuple[int, ...],
 
 def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
           types: Sequence[Any], xla: Callable[..., Any], loops: tuple[int, ...],
-          looped: tuple[bool, ...]) -> Callable[..., tuple[Any, ...]]:
+          looped: tuple[bool, ...], stack: Callable[..., Any] | None = None
+          ) -> Callable[..., tuple[Any, ...]]:
     """The buffer callback running the segment once per index of ``loops`` (the leading axes
-    of the ``looped`` operands; the others shared), batched by custom_vmap."""
+    of the ``looped`` operands; the others shared), batched by custom_vmap: one stacked run
+    (``stack``) where every per-sample operand is batched, else a loop more."""
     from jax.experimental.buffer_callback import buffer_callback
 
     results = [jax.ShapeDtypeStruct((*loops, *t.shape), t.dtype) for t in types]
@@ -274,6 +321,11 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
                           in_axes=tuple(0 if b else None for b in in_batched), axis_size=size)
             out = fn(*values)
             return out, tuple(True for _ in out)
+        if stack is not None and not loops and all(
+                b for b, w in zip(in_batched, kinds, strict=True) if not w):
+            out = stack(size, values)
+            if out is not None:
+                return out, tuple(True for _ in out)
         moved, flags = [], []
         for value, b, flag in zip(values, in_batched, looped, strict=True):
             if not b and not flag:
@@ -292,3 +344,79 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
 
     return call
 
+
+
+#: Operators that compute each index of their first input's axis 0 apart, given the others
+#: are not per-sample.
+_PER_SAMPLE = frozenset({"Conv", "MaxPool", "AveragePool", "GlobalAveragePool",
+                         "GlobalMaxPool", "BatchNormalization"})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sum", "Relu", "Sigmoid", "Tanh",
+                          "LeakyRelu", "Identity"})
+
+
+def foldable(nodes: Sequence[Any], per_sample: set[str],
+             shapes: Mapping[str, tuple[int, ...]], constants: Mapping[str, np.ndarray],
+             opset: int) -> bool:
+    """Whether ``nodes`` compute each index of axis 0 of the ``per_sample`` tensors (a
+    micro-batch's inputs) apart and keep it as axis 0 of what they compute from them, so that
+    micro-batches stacked along axis 0 give their results stacked: one onnxruntime run for a
+    chunk. Conservative: an operator not known to keep the axis, or an attribute that could
+    touch it (a Softmax, Concat, Flatten, Squeeze or Unsqueeze on axis 0, a Transpose moving
+    it, a Reshape whose first size is not 0 or -1, a transposed Gemm input), says no."""
+    batched = set(per_sample)
+    for node in nodes:
+        if not any(i in batched for i in node.input if i):
+            continue
+        if not _keeps_axis_0(node, batched, shapes, constants, opset):
+            return False
+        batched.update(o for o in node.output if o)
+    return True
+
+
+def _keeps_axis_0(node: Any, batched: set[str], shapes: Mapping[str, tuple[int, ...]],
+                  constants: Mapping[str, np.ndarray], opset: int) -> bool:
+    from onnx import helper
+
+    op = node.op_type
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    first = node.input[0]
+    rank = len(shapes.get(first, ()))
+    others = [i for i in node.input[1:] if i]
+
+    def axis(value: int, of: int = rank) -> int:
+        return value + of if value < 0 else value
+
+    if op in _ELEMENTWISE:
+        out_rank = len(shapes.get(node.output[0], ()))
+        return all(len(shapes.get(i, ())) == out_rank for i in node.input if i in batched)
+    if op in _PER_SAMPLE:
+        return first in batched and not any(i in batched for i in others)
+    if op == "Gemm":
+        return first in batched and not attrs.get("transA", 0) and \
+            not any(i in batched for i in others)
+    if op == "MatMul":
+        return first in batched and rank >= 2 and node.input[1] not in batched
+    if op == "Flatten":
+        return axis(attrs.get("axis", 1)) >= 1
+    if op == "Softmax":
+        return rank >= 2 and axis(attrs.get("axis", 1 if opset < 13 else -1)) >= 1
+    if op == "Concat":
+        return all(i in batched for i in node.input if i) and axis(attrs["axis"]) >= 1
+    if op == "Transpose":
+        perm = attrs.get("perm")
+        return perm is not None and perm[0] == 0
+    if op == "Reshape":
+        shape = constants.get(node.input[1]) if len(node.input) > 1 else None
+        if shape is None or attrs.get("allowzero", 0):
+            return False
+        shape = np.asarray(shape).ravel()
+        return shape.size >= 1 and int(shape[0]) in (0, -1)
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = attrs.get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1]:
+            axes = constants.get(node.input[1])
+        if axes is None:
+            return False
+        out_rank = rank if op == "Squeeze" else rank + len(np.ravel(axes))
+        return all(axis(int(a), out_rank) != 0 for a in np.ravel(axes))
+    return False

@@ -279,12 +279,12 @@ class LoweredGraph:
         reads = list(dict.fromkeys(i for n in run for i in n.inputs if i and i not in made))
         label = f"{run[0].label}..{run[-1].label}" if len(run) > 1 else run[0].label
 
-        def xla(args: list[Any]) -> list[Any]:
+        def xla(args: list[Any]) -> dict[str, Any]:  # every tensor of the run
             values = dict(zip(reads, args, strict=True))
             for node in run:
                 results = _compute(node, [values[i] if i else None for i in node.inputs])
                 values.update((o, r) for o, r in zip(node.outputs, results, strict=False) if o)
-            return [values[o] for o in outputs]
+            return values
 
         protos = [_without_popart_attributes(n.proto) for n in run if n.proto is not None]
         op = delegated.Segment(label, protos, reads, outputs,
