@@ -22,7 +22,7 @@ import pytest
 
 import popart_kit as pk
 from popart_kit._runtime.xla.distributed import world
-from popart_kit.launcher import LaunchError, launch, topology
+from popart_kit.launcher import PIN_CORES, LaunchError, core_share, launch, topology
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "distributed_training.py"
 BOUND = 240  # seconds: no launch in these tests may run longer
@@ -183,6 +183,29 @@ def test_exit_status_of_the_first_failing_instance_and_prefixed_output():
                                   num_replicas=2)
     assert status == 7 and "instance 1 failed (exit status 7)" in err
     assert "[instance 0] hello 1 127.0.0.1:" in out and "[instance 1] hello 1" in out
+
+
+@pytest.mark.parametrize("cores, count, shares", [
+    ([0, 1], 2, [[0], [1]]), ([0, 1], 4, [[0], [1], [0], [1]]),
+    ([4, 5, 6, 7, 8, 9, 10], 3, [[4, 5, 6], [7, 8], [9, 10]]), ([3, 1], 1, [[1, 3]])])
+def test_each_instance_on_a_host_gets_its_share_of_the_cores(cores, count, shares):
+    assert [core_share(cores, count, i) for i in range(count)] == shares
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
+@pytest.mark.parametrize("pin", ["1", "0"])
+def test_launched_instances_run_on_their_share_unless_told_not_to(pin):
+    """XLA and onnxruntime size their thread pools by the cores a process may use, so
+    instances sharing a host do not oversubscribe it."""
+    code = ("import os; print('cores', os.environ['POPDIST_LOCAL_INSTANCE_INDEX'], "
+            "sorted(os.sched_getaffinity(0)))")
+    status, out, _ = run_launch([sys.executable, "-c", code], num_instances=2, num_replicas=2,
+                                env={**os.environ, PIN_CORES: pin})
+    assert status == 0
+    mine = sorted(os.sched_getaffinity(0))
+    for i in range(2):
+        want = core_share(mine, 2, i) if pin == "1" else mine
+        assert f"[instance {i}] cores {i} {want}" in out
 
 
 def test_cli_launch_passes_the_status_through():
