@@ -252,6 +252,20 @@ def test_a_chunks_micro_batches_run_stacked_where_every_node_keeps_them_apart(re
     assert rows == ({4, 16} if stacked else {4})
 
 
+def test_replicas_and_micro_batches_stack_into_one_run():
+    model = _mlp()
+    sess = pk.InferenceSession(model.SerializeToString(), pk.SessionConfig(
+        mode="inference", batches_per_step=4, replication={"local_factor": 2},
+        device={"target": "offline"}), backend="xla", micro_batches_per_chunk=4)
+    assert not sess._live.placement.several  # on CPU the replicas are vectorised
+    x = _x((4, 2, 4, 8), seed=17)
+    np.testing.assert_allclose(sess.run({"x": x})["y"], _xla(model, x).reshape(4, 2, 4, 5),
+                               rtol=1e-5, atol=1e-6)
+    [segment] = _segments(sess)
+    rows = {dict(key[0])["x"][0] for key, plan in segment._plans.items() if plan is not None}
+    assert max(rows) == 4 * 2 * 4  # every micro-batch of every replica in one run
+
+
 def test_foldable_refuses_what_could_touch_axis_0():
     from onnx import helper as h
 

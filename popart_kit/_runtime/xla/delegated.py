@@ -202,7 +202,7 @@ class Segment:
         if any(not t.shape or tuple(g.shape) != (size * t.shape[0], *t.shape[1:])
                for g, t in zip(got, types, strict=True)):
             return None
-        out = self._delegate(names, stacked, constants, every, False)
+        out = self._delegate(names, stacked, constants, every, True)  # the next vmap too
         return tuple(o.reshape((size, *t.shape)) for o, t in zip(out, types, strict=True))
 
     def _plan(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
