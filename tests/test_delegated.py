@@ -293,3 +293,20 @@ def test_foldable_refuses_what_could_touch_axis_0():
     assert one(h.make_node("Unsqueeze", ["x", "a"], ["y"]), {"a": np.array([1])})
     assert not one(h.make_node("Squeeze", ["x"], ["y"]))
     assert not one(h.make_node("Neg", ["x"], ["y"]))  # not known to keep it: no
+
+
+def test_a_session_whose_shapes_differ_from_the_lowerings_is_not_used():
+    """Checked once, on zeros, when a plan is made: a shape onnxruntime computes otherwise
+    would fail every run, so XLA runs the segment instead."""
+    import onnxruntime as ort
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    session = ort.InferenceSession(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(),
+        providers=["CPUExecutionProvider"])
+    delegated._check_shapes(session, {"x": (2, 3)}, {}, {"y": (2, 3)})
+    with pytest.raises(ValueError, match=r"'y': \(\(2, 3\), \(3, 2\)\)"):
+        delegated._check_shapes(session, {"x": (2, 3)}, {}, {"y": (3, 2)})

@@ -222,10 +222,24 @@ class Segment:
 
             try:
                 plan: _Plan | None = _Plan(build, weights, self._delegation)
-            except Exception:  # noqa: BLE001 - onnxruntime refuses it: XLA runs the nodes
-                plan = None
+                _check_shapes(plan.unbaked, shapes, constants, out_shapes)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - onnxruntime refuses it, or computes other
+                plan = None    # shapes than the xla backend: XLA runs the nodes
             self._plans[key] = plan
             return plan
+
+
+def _check_shapes(session: Any, shapes: Mapping[str, tuple[int, ...]],
+                  constants: Mapping[str, np.ndarray],
+                  out_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Run ``session`` once on zeros: ValueError unless its outputs have the shapes the xla
+    backend's lowering gives (an attribute read otherwise would fail every run)."""
+    feeds = {n: np.zeros(s, np.float32) for n, s in shapes.items() if n not in constants}
+    got = session.run(list(out_shapes), feeds)
+    wrong = {n: (g.shape, s) for (n, s), g in zip(out_shapes.items(), got, strict=True)
+             if tuple(g.shape) != tuple(s)}
+    if wrong:
+        raise ValueError(f"onnxruntime's shapes differ from the lowering's: {wrong}")
 
 
 def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
