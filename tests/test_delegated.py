@@ -310,3 +310,23 @@ def test_a_session_whose_shapes_differ_from_the_lowerings_is_not_used():
     delegated._check_shapes(session, {"x": (2, 3)}, {}, {"y": (2, 3)})
     with pytest.raises(ValueError, match=r"'y': \(\(2, 3\), \(3, 2\)\)"):
         delegated._check_shapes(session, {"x": (2, 3)}, {}, {"y": (3, 2)})
+
+
+@pytest.mark.parametrize("value, stops", [(None, False), ("0", True)])
+def test_the_segments_threads_stop_when_a_run_ends_if_asked(monkeypatch, value, stops):
+    if value is None:
+        monkeypatch.delenv(delegated.SPINNING, raising=False)
+    else:
+        monkeypatch.setenv(delegated.SPINNING, value)
+    sess = _session(_convnet())
+    sess.run({"x": _x((2, 3, 16, 16))})
+    [segment] = _segments(sess)
+    [plan] = [p for p in segment._plans.values() if p is not None]
+    [(session, _)] = plan._baked.values()
+    config = session.get_session_options().get_session_config_entry
+    assert config("session.intra_op.allow_spinning") == "1"
+    try:
+        stop = config("session.force_spinning_stop")
+    except Exception:  # noqa: BLE001 - onnxruntime raises for a key never set
+        stop = "0"
+    assert (stop == "1") == stops

@@ -21,18 +21,29 @@ the offered ones, the segment runs a session that reads them as inputs instead.
 What is never delegated: training (the backward needs XLA's forward), half precision and
 integer tensors (the segment runs the XLA lowering, decided when traced; a partials type,
 which only half precision reads, does not matter), a segment whose outputs are not all
-float32 (a MaxPool's indices read elsewhere), a segment onnxruntime refuses to build (XLA
-then runs it). Under ``vmap``
-(micro-batches and replicas of a chunk) the micro-batches run as one, stacked along axis 0,
-where every node keeps that axis apart (:func:`foldable`, and the XLA lowering agrees on the
-stacked shapes): MLP 784-256-256-10 at micro-batch 32, bps 16, 0.6 ms a run against 0.9 ms
-one by one; elsewhere the session runs once per micro-batch and replica in the same call. A
-batched weight (grouped weights) runs the XLA lowering. A
-segment is differentiable (its gradient is the XLA lowering's) though no session asks.
+float32 (a MaxPool's indices read elsewhere), a segment onnxruntime refuses to build or whose
+output shapes, checked once on zeros, are not the lowering's (XLA then runs it). A batched
+weight (grouped weights) runs the XLA lowering. A segment is differentiable (its gradient is
+the XLA lowering's) though no session asks.
+
+Under ``vmap`` (the replicas and micro-batches of a chunk) they run as one, stacked along
+axis 0, where every node keeps that axis apart (:func:`foldable`, and the XLA lowering agrees
+on the stacked shapes): MLP 784-256-256-10 at micro-batch 32, bps 16, 0.6 ms a run against
+0.9 ms one by one. Elsewhere the session runs once per micro-batch and replica in one call.
+
+A segment's session has one intra-op thread per core the process may use, spinning between
+parallel sections and for a while after a run, as onnxruntime does by default. Measured
+(runtime_bench.py, 2 cores), against threads that stop when a run ends: an MLP's run at bps 1
+200 against 225 microseconds, the convnet 62 000 against 50 000 samples/s (one thread: the
+depthwise row 1.25 against 0.58 ms). The cost is other CPU work in the 40 ms after a run:
+numpy matrix products ran 1.6x slower there, onnxruntime's own runs up to 2x.
+``POPART_KIT_ORT_SPINNING=0`` (read as a session is built) stops the threads when each run
+ends.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +54,8 @@ import numpy as np
 
 from . import conv_mlas
 
-__all__ = ["HEAVY", "KEEP", "OPS", "Delegation", "Segment", "available", "foldable"]
+__all__ = ["HEAVY", "KEEP", "OPS", "SPINNING", "Delegation", "Segment", "available",
+           "foldable"]
 
 #: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
 #: segment may hold.
@@ -59,6 +71,9 @@ HEAVY = frozenset({"Conv", "Gemm", "MatMul"})
 
 #: Baked sessions kept per segment and shape (each with the weight arrays it was built from).
 KEEP = 2
+
+#: Environment variable: "0" stops the segments' onnxruntime threads spinning when a run ends.
+SPINNING = "POPART_KIT_ORT_SPINNING"
 
 
 def available() -> bool:
@@ -261,7 +276,10 @@ def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
     graph = helper.make_graph(segment.nodes, segment.name, inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", segment.opset)])
     model.ir_version = min(model.ir_version, 10)
-    return ort.InferenceSession(model.SerializeToString(), conv_mlas.options(spinning=True),
+    options = conv_mlas.options(spinning=True)
+    if os.environ.get(SPINNING, "1") == "0":
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return ort.InferenceSession(model.SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
 
 
@@ -434,3 +452,4 @@ def _keeps_axis_0(node: Any, batched: set[str], shapes: Mapping[str, tuple[int, 
         out_rank = rank if op == "Squeeze" else rank + len(np.ravel(axes))
         return all(axis(int(a), out_rank) != 0 for a in np.ravel(axes))
     return False
+
