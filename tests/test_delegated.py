@@ -330,3 +330,15 @@ def test_the_segments_threads_stop_when_a_run_ends_if_asked(monkeypatch, value, 
     except Exception:  # noqa: BLE001 - onnxruntime raises for a key never set
         stop = "0"
     assert (stop == "1") == stops
+
+
+def test_a_delegating_session_takes_larger_chunks(monkeypatch):
+    """Its segments run stacked in onnxruntime: chunks of up to CHUNK_BYTES of activations,
+    where XLA alone keeps to steps.chunk_bytes (about 1.8 MB a micro-batch here: 4 of 16
+    micro-batches by XLA's measure, all 16 delegated)."""
+    model = _convnet(batch=64)
+    delegating = _session(model, 16)
+    monkeypatch.setattr(delegated, "available", lambda: False)
+    alone = _session(model, 16)
+    assert alone.runtime.graph.delegation is None
+    assert (alone.runtime.chunk, delegating.runtime.chunk) == (4, 16)

@@ -132,10 +132,9 @@ class XlaBackend:
         self.unpipelined_because = ""
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
-        one_cpu = (self.placement.platform == "cpu" and not self.placement.several
-                   and self.pipeline is None)
-        self.staged = AlignedInputs(one_cpu)
-        if one_cpu and not self.training and delegated.available():
+        self.staged = AlignedInputs(self.placement.platform == "cpu" and not
+                                    self.placement.several and self.pipeline is None)
+        if self._delegates() and self.pipeline is None:
             self.graph.delegation = Delegation()  # forward segments by onnxruntime
 
     def _trips(self) -> int:
@@ -257,8 +256,17 @@ class XlaBackend:
     def _chunk(self, inputs: Mapping[str, TensorSpec], requested: int | None) -> int:
         if requested is None:
             per_micro_batch = self._activation_bytes(inputs) * self.placement.per_device
-            requested = max(1, chunk_bytes(self.placement.platform) // max(per_micro_batch, 1))
+            budget = (delegated.CHUNK_BYTES if self._delegates() else
+                      chunk_bytes(self.placement.platform))
+            requested = max(1, budget // max(per_micro_batch, 1))
         return chunk_size(self._chunk_limit(), requested, self.buffers.periods)
+
+    def _delegates(self) -> bool:
+        """Whether forward segments may run by onnxruntime (:mod:`.delegated`): inference on
+        one CPU device, not pipelined, with onnxruntime installed."""
+        return (not self.training and self.placement.platform == "cpu"
+                and not self.placement.several and not self.config.pipeline.enabled
+                and delegated.available())
 
     # -- arguments --------------------------------------------------------------------------------
 
