@@ -61,10 +61,9 @@ class RecycledAnchors:
 
     def __init__(self, placement: Placement,
                  shapes: Mapping[str, jax.ShapeDtypeStruct]) -> None:
-        one_cpu = placement.platform == "cpu" and not placement.several
         self._device = placement.devices[0]
         self._shapes = {name: s for name, s in shapes.items()
-                        if one_cpu and int(np.prod(s.shape, dtype=np.int64)) *
+                        if placement.one_cpu and int(np.prod(s.shape, dtype=np.int64)) *
                         np.dtype(s.dtype).itemsize >= MIN_BYTES}
         self._free: dict[str, list[jax.Array]] = {name: [] for name in self._shapes}
 

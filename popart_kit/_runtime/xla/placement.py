@@ -107,6 +107,12 @@ class Placement:
         return self.mesh.size > 1
 
     @property
+    def one_cpu(self) -> bool:
+        """Whether everything runs on one CPU device, whose memory is the host's (large anchors
+        handed out in place, large inputs read in place, onnxruntime segments)."""
+        return self.platform == "cpu" and not self.several
+
+    @property
     def distributed(self) -> bool:
         """Whether the mesh spans several processes (arrays are then global)."""
         return self.processes > 1

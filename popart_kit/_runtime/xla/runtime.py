@@ -132,9 +132,8 @@ class XlaBackend:
         self.unpipelined_because = ""
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
-        self.staged = AlignedInputs(self.placement.platform == "cpu" and not
-                                    self.placement.several and self.pipeline is None)
-        if self._delegates() and self.pipeline is None:
+        self.staged = AlignedInputs(self.placement.one_cpu and self.pipeline is None)
+        if self._delegates():
             self.graph.delegation = Delegation()  # forward segments by onnxruntime
 
     def _trips(self) -> int:
@@ -264,9 +263,8 @@ class XlaBackend:
     def _delegates(self) -> bool:
         """Whether forward segments may run by onnxruntime (:mod:`.delegated`): inference on
         one CPU device, not pipelined, with onnxruntime installed."""
-        return (not self.training and self.placement.platform == "cpu"
-                and not self.placement.several and not self.config.pipeline.enabled
-                and delegated.available())
+        return (not self.training and self.placement.one_cpu
+                and not self.config.pipeline.enabled and delegated.available())
 
     # -- arguments --------------------------------------------------------------------------------
 
