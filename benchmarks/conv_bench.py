@@ -9,10 +9,11 @@ interleaved in one process (medians of --repeat turns of --block calls each, aft
 onnxruntime's spinning idle threads out of the next one's times; ``--block 1`` alternates
 single calls):
 
-* forward: onnxruntime's ``run``, the kit's ``InferenceSession.run`` at bps 1, the raw lowered
-  op (``jax.jit`` of the lowered graph, no session around it), the same with the lowering's
-  fusions off (``apart``: the Conv and its Relu run apart, the Relu a pass over MLAS's output,
-  what 889de59 ran), the same with onnxruntime's MLAS kept out (``xla``:
+* forward: onnxruntime's ``run``, the kit's ``InferenceSession.run`` at bps 1 (its Conv and
+  Relu one onnxruntime session: delegated.py), the raw lowered op (``jax.jit`` of the lowered
+  graph, no session around it and nothing delegated: what a training forward runs), the same
+  with the lowering's fusions off (``apart``: the Conv and its Relu run apart, the Relu a pass
+  over MLAS's output, what 889de59 ran), the same with onnxruntime's MLAS kept out (``xla``:
   :func:`~popart_kit._runtime.xla.ops_conv.xla_lowering_for`'s lowering, what 24ef92a ran),
   with MLAS forced (``mlas``, whether chosen or not: what the choice of
   :func:`~popart_kit._runtime.xla.ops_conv.mlas_wins` rests on) and XLA's NCHW convolution

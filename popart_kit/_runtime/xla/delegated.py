@@ -28,8 +28,9 @@ the XLA lowering's) though no session asks.
 
 Under ``vmap`` (the replicas and micro-batches of a chunk) they run as one, stacked along
 axis 0, where every node keeps that axis apart (:func:`foldable`, and the XLA lowering agrees
-on the stacked shapes): MLP 784-256-256-10 at micro-batch 32, bps 16, 0.6 ms a run against
-0.9 ms one by one. Elsewhere the session runs once per micro-batch and replica in one call.
+on the stacked shapes): MLP 784-256-256-10 at micro-batch 32, bps 16, 0.54 ms a run against
+0.8-1.0 ms one by one (runtime_bench.py). Elsewhere the session runs once per micro-batch
+and replica in one call.
 
 A segment's session has one intra-op thread per core the process may use, spinning between
 parallel sections and for a while after a run, as onnxruntime does by default. Measured
@@ -118,7 +119,7 @@ class Delegation:
 
 class _Plan:
     """One segment at one set of operand shapes: its onnxruntime sessions (weights as inputs;
-    baked, by weight buffer addresses) and the names of the operands and outputs."""
+    baked, by weight buffer addresses)."""
 
     def __init__(self, build: Callable[[dict[str, np.ndarray] | None], Any],
                  weights: list[str], delegation: Delegation) -> None:
@@ -152,12 +153,12 @@ class _Plan:
 class Segment:
     """The operator of a delegated segment: ``nodes`` (onnx NodeProtos, in order, with their
     PopART-only attributes dropped) reading ``reads`` and giving ``outputs``; ``weights``: the
-    reads that are weights; ``xla(args)`` computes the outputs the XLA way (each node's
-    lowering, in turn) from the reads' values."""
+    reads that are weights; ``xla(args)`` computes every tensor of the segment the XLA way
+    (each node's lowering, in turn) from the reads' values, by name."""
 
     def __init__(self, name: str, nodes: list[Any], reads: Sequence[str],
                  outputs: Sequence[str], weights: set[str], opset: int,
-                 xla: Callable[[list[Any]], tuple[Any, ...]], delegation: Delegation) -> None:
+                 xla: Callable[[list[Any]], dict[str, Any]], delegation: Delegation) -> None:
         self.name, self.nodes, self.reads, self.outputs = name, nodes, list(reads), list(outputs)
         self.weights, self.opset, self._xla, self._delegation = weights, opset, xla, delegation
         self._plans: dict[tuple, _Plan | None] = {}
@@ -381,7 +382,6 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
         return out, tuple(True for _ in out)
 
     return call
-
 
 
 #: Operators that compute each index of their first input's axis 0 apart, given the others
