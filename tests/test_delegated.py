@@ -342,3 +342,92 @@ def test_a_delegating_session_takes_larger_chunks(monkeypatch):
     alone = _session(model, 16)
     assert alone.runtime.graph.delegation is None
     assert (alone.runtime.chunk, delegating.runtime.chunk) == (4, 16)
+
+
+def _unaligned(values: np.ndarray) -> np.ndarray:
+    """``values`` 16 bytes past a 64-byte boundary, as numpy's own large arrays lie."""
+    raw = np.empty(values.nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + 16
+    out = raw[start:start + values.nbytes].view(values.dtype).reshape(values.shape)
+    out[...] = values
+    return out
+
+
+@pytest.mark.parametrize("bps", [1, 3])
+def test_an_input_only_segments_read_is_read_where_it_lies(bps, monkeypatch):
+    """A large unaligned input read by nothing but a segment: the program takes an aligned
+    buffer with no values copied in, and onnxruntime reads each run's own array."""
+    from popart_kit._runtime.xla import input_memory
+
+    copies: list[int] = []
+    copyto = np.copyto
+    monkeypatch.setattr(input_memory.np, "copyto",
+                        lambda dst, src, **kw: copies.append(dst.nbytes) or copyto(dst, src,
+                                                                                  **kw))
+    model = _convnet(batch=64)  # 64 x 3 x 16 x 16 float32: 192 KiB a micro-batch
+    monkeypatch.setattr(input_memory, "MIN_BYTES", 1 << 16)
+    sess = _session(model, bps, micro_batches_per_chunk=bps)
+    runs = [_x((bps, 64, 3, 16, 16), seed=40 + i) for i in range(4)]
+    outs = [sess.run({"x": _unaligned(x if bps > 1 else x[0])})["y"] for x in runs]
+    assert sess.runtime._segment_inputs == {"x"} and not copies
+    for x, y in zip(runs, outs, strict=True):
+        np.testing.assert_allclose(y.reshape(bps, 64, 10), _xla(model, x).reshape(bps, 64, 10),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_xla_also_reads_is_copied():
+    """Anchored as well (XLA returns it): the program reads it, so it gets the values."""
+    model = _convnet(batch=64)
+    sess = _session(model, anchors={"x": "All", "y": "All"})
+    x = _unaligned(_x((64, 3, 16, 16), seed=5))
+    out = sess.run({"x": x})
+    assert sess.runtime._segment_inputs == set()
+    np.testing.assert_array_equal(out["x"], x)
+    np.testing.assert_allclose(out["y"], _xla(model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_buffer_no_segment_read_fills_the_inputs_and_runs_again(monkeypatch):
+    """Were the program to read a copy of the unfilled buffer (no segment then reads it), the
+    run is made again with the values copied, and every later run copies them."""
+    from popart_kit._runtime.xla import input_memory
+
+    monkeypatch.setattr(input_memory, "MIN_BYTES", 1 << 16)
+    model = _convnet(batch=64)
+    sess = _session(model)
+    sess.prepare()
+    monkeypatch.setattr(delegated.Delegation, "source", lambda self, array: array)
+    x = _x((64, 3, 16, 16), seed=6)
+    y = sess.run({"x": _unaligned(x)})["y"]
+    assert sess.runtime._segment_inputs == set()
+    np.testing.assert_allclose(y, _xla(model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+_HLO = """HloModule m, entry_computation_layout={(f32[4]{0}, f32[4]{0})->f32[4]{0}}
+
+%f (p: f32[4]) -> f32[4] {
+  ROOT %p = f32[4]{0} parameter(0)
+}
+
+ENTRY %main.3 (a.1: f32[4], b.1: f32[4], c.1: f32[2,2]) -> (f32[4], f32[4]) {
+  %a.1 = f32[4]{0} parameter(0)
+  %b.1 = f32[4]{0} parameter(1), metadata={op_name="b"}
+  %c.1 = f32[2,2]{1,0} parameter(2)
+  %bitcast = f32[2,2]{1,0} bitcast(%a.1)
+  %cb = f32[4]{0} custom-call(%bitcast, %b.1), custom_call_target="xla_buffer_python_cpu_callback"
+  %add = f32[4]{0} add(%b.1, %cb)
+  %cb2 = f32[4]{0} custom-call(%c.1), custom_call_target="xla_buffer_python_cpu_callback", \
+output_to_operand_aliasing={{}: (0, {})}
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%add, %cb2)
+}
+"""
+
+
+def test_callback_only_parameters_reads_the_entry_computations_uses():
+    """a reaches only a callback (through a bitcast); b is added too; c goes to a callback
+    that may write into it."""
+    assert delegated.callback_only_parameters(_HLO) == {0}
+    returned = _HLO.replace("ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%add, %cb2)",
+                            "ROOT %t = (f32[4]{0}, f32[2,2]{1,0}) tuple(%add, %bitcast)")
+    assert delegated.callback_only_parameters(returned) == set()
+    assert delegated.callback_only_parameters("HloModule m\n\nENTRY %main { what }") == set()
+    assert delegated.callback_only_parameters("not HLO") == set()

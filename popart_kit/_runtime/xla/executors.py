@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .anchor_memory import RecycledAnchors
+from .delegated import callback_only_parameters
 from .placement import Placement
 from .state import SessionState
 from .steps import loop
@@ -189,6 +190,17 @@ class LoopedExecutor:
                 (None, f.stream_axes, None), f.buffer_axes), donate_argnums=2, keep_unused=True)
             self.programs = [program.lower(state.weights, inputs, slots).compile()]
         self._call = _runnable(program, self.programs[0], f.training)
+
+    def callback_only_inputs(self, state: SessionState) -> set[str]:
+        """The inputs the compiled inference program reads only in onnxruntime segments
+        (:func:`~.delegated.callback_only_parameters`; none for training)."""
+        if self.step.training or not self.programs:
+            return set()
+        numbers = callback_only_parameters(self.programs[0].as_text())
+        first = len(jax.tree.leaves(state.weights))  # the program's arguments: the weights,
+        inputs = self.placement.abstract(self.step.inputs, self.step.stream_axes)  # inputs
+        paths = jax.tree_util.tree_flatten_with_path(inputs)[0]
+        return {path[0].key for i, (path, _) in enumerate(paths) if first + i in numbers}
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,
             hyper: Any) -> StepResult:

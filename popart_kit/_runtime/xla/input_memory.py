@@ -11,7 +11,9 @@ aligned (one 3x3 convolution; onnxruntime, reading the user's array where it lie
 mapped after the first run, and hands the program a view of it. The memory is written again
 only when no array over it is left: the program's call holds the view until XLA is done
 reading it (JAX lets go of it by the next call), so a run never overwrites what an earlier one
-still reads, and two or three buffers serve every run. Inputs under
+still reads, and two or three buffers serve every run. An input that only
+onnxruntime segments read gets such a buffer unfilled (:meth:`AlignedInputs.unfilled`; they
+read the caller's array, see :mod:`.delegated`). Inputs under
 :data:`MIN_BYTES` and inputs already aligned are passed as they are, and nothing is kept for
 other devices or several (a transfer to them copies anyway).
 """
@@ -79,11 +81,29 @@ class AlignedInputs:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if not self.enabled or nbytes < MIN_BYTES or (array.dtype == dtype and aligned(array)):
             return np.asarray(array, dtype=dtype).reshape(shape)
-        free = self._free.setdefault(name, [])
-        memory = free.pop() if free and free[-1].nbytes == nbytes else _new(nbytes)
-        out = np.asarray(_Lease(memory, free)).view(dtype).reshape(shape)
+        out = self._kept(name, nbytes, dtype, shape)
         np.copyto(out, array.reshape(shape), casting="unsafe")
         return out
+
+    def unfilled(self, name: str, array: Any, dtype: np.dtype, shape: tuple[int, ...]
+                 ) -> np.ndarray | None:
+        """For an input the program reads only in onnxruntime segments, which read ``array``
+        itself (see ``delegated.Delegation.lend``): where :meth:`place` would copy it, an
+        aligned buffer of its size with no values written (None where it would not, or where
+        ``array`` is not C-contiguous of ``dtype`` and ``shape``'s size: :meth:`place` it)."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if (not self.enabled or nbytes < MIN_BYTES or not isinstance(array, np.ndarray)
+                or array.dtype != dtype or not array.flags.c_contiguous
+                or array.nbytes != nbytes or aligned(array)):
+            return None
+        return self._kept(name, nbytes, dtype, shape)
+
+    def _kept(self, name: str, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]
+              ) -> np.ndarray:
+        """An array over a kept aligned buffer of input ``name``, handed back when dropped."""
+        free = self._free.setdefault(name, [])
+        memory = free.pop() if free and free[-1].nbytes == nbytes else _new(nbytes)
+        return np.asarray(_Lease(memory, free)).view(dtype).reshape(shape)
 
     def clear(self) -> None:
         """Free the kept buffers (the session closed); buffers still in use go with their

@@ -133,6 +133,7 @@ class XlaBackend:
         self._setup_training()
         self.executor: Executor = self._make_executor(pipeline_workers)
         self.staged = AlignedInputs(self.placement.one_cpu and self.pipeline is None)
+        self._segment_inputs: set[str] = set()  # inputs read only by onnxruntime, once compiled
         if self._delegates():
             self.graph.delegation = Delegation()  # forward segments by onnxruntime
 
@@ -295,8 +296,19 @@ class XlaBackend:
         """Canonical host arrays as the program takes them (views where the dtype agrees; a
         large one in aligned memory the program reads in place, :mod:`.input_memory`), with
         the run's seeds (:class:`~.state.RandomSeed`) for a model with random operators."""
-        host = {name: self.staged.place(name, inputs[name], s.dtype, s.shape)
-                for name, s in self._inputs.items() if name != RANDOM_STREAM}
+        host, lent = {}, []
+        for name, s in self._inputs.items():
+            if name == RANDOM_STREAM:
+                continue
+            buffer = (self.staged.unfilled(name, inputs[name], s.dtype, s.shape)
+                      if name in self._segment_inputs else None)
+            if buffer is None:
+                host[name] = self.staged.place(name, inputs[name], s.dtype, s.shape)
+            else:  # read by onnxruntime where it lies (its segments read nothing else)
+                host[name] = buffer
+                lent.append((buffer, inputs[name]))
+        if lent:
+            self.graph.delegation.lend(lent)  # type: ignore[union-attr]
         if self.random:
             host[RANDOM_STREAM] = self.seed.words(
                 self.micro_batches, self.shape.replicas,
@@ -411,6 +423,8 @@ class XlaBackend:
             temporaries = max((p.memory_analysis().temp_size_in_bytes for p in programs
                                if p.memory_analysis() is not None), default=0)
             self._check_memory(temporaries)
+            if self.graph.delegation is not None and isinstance(self.executor, LoopedExecutor):
+                self._segment_inputs = self.executor.callback_only_inputs(self.state)
             self.prepared = True
 
     # -- a run ----------------------------------------------------------------------------------
@@ -432,19 +446,29 @@ class XlaBackend:
         with self._lock:
             if not self.prepared:
                 self.prepare()
-            host = self._host_inputs(inputs)
-            if self.graph.delegation is not None:
-                self.graph.delegation.offer(self.state.weights)
-            if self.placement.processes == 1 and not self.config.profiling.auto_report_dir:
-                result = self.executor.run(host, self.state, self.hyper)  # nothing to wrap
-            else:
-                with self._peers(), profiling.run(self):  # timed and watched to its end
-                    result = self.executor.run(host, self.state, self.hyper)
-                    jax.block_until_ready((result.anchors, result.state))
-            if result.flags is not None:
-                check_finite(result.flags, self.trained, self.shape.batches_per_step)
-            anchors = {name: _host(result.anchors[name], copy).reshape(shape)
-                       for name, shape in self._anchor_shapes.items()}
+            delegation = self.graph.delegation
+            try:
+                host = self._host_inputs(inputs)
+                if delegation is not None:
+                    delegation.offer(self.state.weights)
+                if self.placement.processes == 1 and not self.config.profiling.auto_report_dir:
+                    result = self.executor.run(host, self.state, self.hyper)  # nothing to wrap
+                else:
+                    with self._peers(), profiling.run(self):  # timed and watched to its end
+                        result = self.executor.run(host, self.state, self.hyper)
+                        jax.block_until_ready((result.anchors, result.state))
+                if result.flags is not None:
+                    check_finite(result.flags, self.trained, self.shape.batches_per_step)
+                anchors = {name: _host(result.anchors[name], copy).reshape(shape)
+                           for name, shape in self._anchor_shapes.items()}
+                if delegation is not None and delegation.lent:
+                    jax.block_until_ready(result.anchors)
+                    if delegation.returned():  # the program copied an unfilled buffer: its
+                        self._segment_inputs = set()  # segments read no values; fill them
+                        return self.run(inputs, copy=copy)  # from here on, and run again
+            finally:
+                if delegation is not None:
+                    delegation.returned()
             if result.state is not None:
                 self.state = result.state  # the commit, after everything that can fail
             if self.random:
