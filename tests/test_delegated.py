@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import popart_kit as pk
-from popart_kit._runtime.xla import delegated
+from popart_kit._runtime.xla import delegated, hlo_text
 from popart_kit._runtime.xla.lowering import lower
 
 pytestmark = pytest.mark.skipif(not delegated.available(), reason="needs onnxruntime")
@@ -425,9 +425,9 @@ output_to_operand_aliasing={{}: (0, {})}
 def test_callback_only_parameters_reads_the_entry_computations_uses():
     """a reaches only a callback (through a bitcast); b is added too; c goes to a callback
     that may write into it."""
-    assert delegated.callback_only_parameters(_HLO) == {0}
+    assert hlo_text.callback_only_parameters(_HLO) == {0}
     returned = _HLO.replace("ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%add, %cb2)",
                             "ROOT %t = (f32[4]{0}, f32[2,2]{1,0}) tuple(%add, %bitcast)")
-    assert delegated.callback_only_parameters(returned) == set()
-    assert delegated.callback_only_parameters("HloModule m\n\nENTRY %main { what }") == set()
-    assert delegated.callback_only_parameters("not HLO") == set()
+    assert hlo_text.callback_only_parameters(returned) == set()
+    assert hlo_text.callback_only_parameters("HloModule m\n\nENTRY %main { what }") == set()
+    assert hlo_text.callback_only_parameters("not HLO") == set()

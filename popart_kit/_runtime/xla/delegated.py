@@ -26,16 +26,16 @@ output shapes, checked once on zeros, are not the lowering's (XLA then runs it).
 weight (grouped weights) runs the XLA lowering. A segment is differentiable (its gradient is
 the XLA lowering's) though no session asks.
 
-An input that nothing but segments reads (:func:`callback_only_parameters`, from the compiled
-program) is read by onnxruntime where the caller's array lies: the program takes an unfilled
-aligned buffer instead of the copy :mod:`.input_memory` would make (XLA reads in place only
-64-byte-aligned memory, numpy's arrays are 16-byte aligned) and each segment reading it binds
-the same bytes of the caller's array (:meth:`Delegation.lend`); a run in which no segment read
-a lent buffer is made again with the values copied, as every later one (the program read a
-copy). A segment's single run binds its buffers by address and keeps the binding for a run
-with the same buffers. Measured (benchmarks/conv_bench.py, 2 cores): a 3x3 convolution at
-56x56x64, batch 8 (6.4 MB in), 5.4 against 4.9 ms a run; the 540x960 row 5.3 against 4.7 ms
-(onnxruntime alone 4.6 and 4.4).
+An input that nothing but segments reads (:func:`~.hlo_text.callback_only_parameters`, from
+the compiled program) is read by onnxruntime where the caller's array lies: the program takes
+an unfilled aligned buffer instead of the copy :mod:`.input_memory` would make (XLA reads in
+place only 64-byte-aligned memory, numpy's arrays are 16-byte aligned) and each segment
+reading it binds the same bytes of the caller's array (:meth:`Delegation.lend`); a run in
+which no segment read a lent buffer is made again with the values copied, as every later one
+(the program read a copy). A segment's single run binds its buffers by address and keeps the
+binding for a run with the same buffers. Measured (benchmarks/conv_bench.py, 2 cores): a 3x3
+convolution at 56x56x64, batch 8 (6.4 MB in), 5.4 against 4.9 ms a run; the 540x960 row 5.3
+against 4.7 ms (onnxruntime alone 4.6 and 4.4).
 
 Under ``vmap`` (the replicas and micro-batches of a chunk) they run as one, stacked along
 axis 0, where every node keeps that axis apart (:func:`foldable`, and the XLA lowering agrees
@@ -56,7 +56,6 @@ ends.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -68,7 +67,7 @@ import numpy as np
 from . import conv_mlas
 
 __all__ = ["CHUNK_BYTES", "HEAVY", "KEEP", "OPS", "SPINNING", "Delegation", "Segment",
-           "available", "callback_only_parameters", "foldable"]
+           "available", "foldable"]
 
 #: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
 #: segment may hold.
@@ -124,8 +123,8 @@ class Delegation:
 
     def lend(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """For the run about to start: each pair is a buffer the program takes for an input
-        that only segments read (:func:`callback_only_parameters`), left unfilled, and the
-        array holding the input's values (C-contiguous, of the buffer's dtype and size); a
+        that only segments read (:func:`~.hlo_text.callback_only_parameters`), left unfilled,
+        and the array holding the input's values (C-contiguous, of the buffer's dtype and size); a
         segment given (part of) the buffer reads the same part of the array instead."""
         self._lent = [[b.ctypes.data, b.nbytes, s.reshape(-1).view(np.uint8), False]
                       for b, s in pairs]
@@ -443,73 +442,6 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
         return out, tuple(True for _ in out)
 
     return call
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"\S*\s+([\w\-]+)\(")  # the shape's end, then the opcode
-_CALLBACK_TARGET = 'custom_call_target="xla_buffer_python_cpu_callback"'
-
-
-def _closing(text: str, start: int) -> int:
-    """The index just past the parenthesis closing the one open before ``start`` (-1: none)."""
-    depth = 1
-    for j in range(start, len(text)):
-        depth += text[j] == "("
-        depth -= text[j] == ")"
-        if depth == 0:
-            return j + 1
-    return -1
-
-
-def _opcode_and_operands(rest: str) -> tuple[str, list[str]] | None:
-    """An HLO instruction's opcode and operand names from the text after ``name =`` (its
-    shape, then ``opcode(operands)``); None where the text is not of that form."""
-    after_shape = _closing(rest, 1) if rest.startswith("(") else 0  # a tuple shape
-    match = _OPCODE.match(rest, max(after_shape, 0))
-    end = _closing(rest, match.end()) if match else -1
-    if match is None or after_shape < 0 or end < 0:
-        return None
-    return match.group(1), re.findall(r"%([\w.\-]+)", rest[match.end():end - 1])
-
-
-def callback_only_parameters(hlo: str) -> set[int]:
-    """The numbers of the entry computation's parameters (of a compiled program's HLO text)
-    that nothing reads but segment callbacks, directly or through bitcasts (the same bytes):
-    the program may take an unfilled buffer for such an input when each callback reading it
-    reads the input's own array instead (:meth:`Delegation.lend`). Conservative: any other
-    use, a callback whose output may alias an operand, or text not understood, and the
-    parameter is not one."""
-    entry = hlo.split("\nENTRY ", 1)
-    if len(entry) < 2:
-        return set()
-    body = entry[1].split("\n}", 1)[0].splitlines()[1:]
-    users: dict[str, list[tuple[str, str]]] = {}
-    parameters: dict[str, int] = {}
-    for line in body:
-        head = _INSTRUCTION.match(line)
-        parsed = _opcode_and_operands(head.group(2)) if head else None
-        if head is None or parsed is None:
-            return set()
-        name, (opcode, operands) = head.group(1), parsed
-        if opcode == "parameter":
-            number = re.search(r"parameter\((\d+)\)", line)
-            if number is None:
-                return set()
-            parameters[name] = int(number.group(1))
-        if opcode == "custom-call" and _CALLBACK_TARGET in line:
-            kind = "aliasing" if "output_to_operand_aliasing" in line else "callback"
-        else:  # a bitcast the program returns is the parameter's bytes: read by the caller
-            kind = "root" if line.lstrip().startswith("ROOT") else opcode
-        for operand in operands:
-            users.setdefault(operand, []).append((name, kind))
-
-    def only_callbacks(name: str) -> bool:
-        uses = users.get(name, [])
-        return bool(uses) and all(kind == "callback" or (kind == "bitcast" and
-                                                         only_callbacks(user))
-                                  for user, kind in uses)
-
-    return {number for name, number in parameters.items() if only_callbacks(name)}
 
 
 #: Operators that compute each index of their first input's axis 0 apart, given the others

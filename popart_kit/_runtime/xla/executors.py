@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .anchor_memory import RecycledAnchors
-from .delegated import callback_only_parameters
+from .hlo_text import callback_only_parameters
 from .placement import Placement
 from .state import SessionState
 from .steps import loop
@@ -193,7 +193,7 @@ class LoopedExecutor:
 
     def callback_only_inputs(self, state: SessionState) -> set[str]:
         """The inputs the compiled inference program reads only in onnxruntime segments
-        (:func:`~.delegated.callback_only_parameters`; none for training)."""
+        (:func:`~.hlo_text.callback_only_parameters`; none for training)."""
         if self.step.training or not self.programs:
             return set()
         numbers = callback_only_parameters(self.programs[0].as_text())
