@@ -431,3 +431,108 @@ def test_callback_only_parameters_reads_the_entry_computations_uses():
     assert hlo_text.callback_only_parameters(returned) == set()
     assert hlo_text.callback_only_parameters("HloModule m\n\nENTRY %main { what }") == set()
     assert hlo_text.callback_only_parameters("not HLO") == set()
+
+
+@pytest.mark.parametrize("bps, replicas", [(1, 1), (3, 1), (2, 2)])
+def test_a_program_that_is_one_segment_call_is_called_from_the_host(bps, replicas):
+    """The whole model one stacked segment: the runs after the first call the segment
+    itself, on each run's own inputs and the session's current weights, every anchor one of
+    its outputs (an inside tensor too)."""
+    model = _convnet()
+    sess = pk.InferenceSession(model.SerializeToString(), pk.SessionConfig(
+        mode="inference", batches_per_step=bps, replication={"local_factor": replicas},
+        device={"target": "offline"}), backend="xla", micro_batches_per_chunk=bps,
+        anchors={"p1": "All", "y": "All"})
+    lead = (bps,) * (bps > 1) + (replicas,) * (replicas > 1)
+    runs = [_x((*lead, 2, 3, 16, 16), seed=60 + i) for i in range(3)]
+    outs = [sess.run({"x": x}) for x in runs[:2]]
+    assert sess.runtime._direct is not None
+    w = sess.weights()["w"] * 3.0
+    sess.write_weights({"w": w})
+    outs.append(sess.run({"x": _unaligned(runs[2])}))  # read where it lies
+    for i, (x, out) in enumerate(zip(runs, outs, strict=True)):
+        weights = {"w": w} if i == 2 else None
+        for name in ("p1", "y"):
+            want = _xla(model, x, name, weights=weights)
+            np.testing.assert_allclose(out[name].reshape(want.shape), want, rtol=1e-5,
+                                       atol=1e-6)
+
+
+def test_a_large_anchor_held_by_the_caller_is_never_written_by_a_later_direct_run():
+    model = _convnet(batch=512)  # y is small; p1 512 x 8 x 8 x 8 float32 = 1 MiB
+    sess = _session(model, anchors={"p1": "All", "y": "All"})
+    x1, x2 = _x((512, 3, 16, 16), seed=70), _x((512, 3, 16, 16), seed=71)
+    sess.run({"x": x1})
+    held = sess.run({"x": x1})["p1"]
+    assert sess.runtime._direct is not None and held.flags.writeable
+    kept = held.copy()
+    sess.run({"x": x2})
+    np.testing.assert_array_equal(held, kept)
+
+
+def test_a_program_that_computes_more_than_one_segment_call_runs_as_compiled():
+    """The input anchored too (the program returns it): every run is the program's."""
+    model = _convnet()
+    sess = _session(model, anchors={"x": "All", "y": "All"})
+    xs = [_x((2, 3, 16, 16), seed=80 + i) for i in range(2)]
+    outs = [sess.run({"x": x}) for x in xs]
+    assert sess.runtime._direct is None
+    for x, out in zip(xs, outs, strict=True):
+        np.testing.assert_array_equal(out["x"], x)
+        np.testing.assert_allclose(out["y"], _xla(model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+_ONE = """HloModule m
+
+ENTRY %main.3 (w.1: f32[8], x.1: f32[1,2,4], a.1: f32[1,2,4]) -> (f32[1,2,4], f32[1,8]) {
+  %w.1 = f32[8]{0} parameter(0)
+  %x.1 = f32[1,2,4]{2,1,0} parameter(1)
+  %a.1 = f32[1,2,4]{2,1,0} parameter(2)
+  %bitcast = f32[2,4]{1,0} bitcast(%x.1)
+  %cb = (f32[8]{0}, f32[2,4]{1,0}) custom-call(%bitcast, %w.1), \
+custom_call_target="xla_buffer_python_cpu_callback", backend_config={index = 0 : ui64}
+  %gte.0 = f32[8]{0} get-tuple-element(%cb), index=0
+  %gte.1 = f32[2,4]{1,0} get-tuple-element(%cb), index=1
+  %bitcast.1 = f32[1,2,4]{2,1,0} bitcast(%gte.1)
+  %bitcast.2 = f32[1,8]{1,0} bitcast(%gte.0)
+  ROOT %t = (f32[1,2,4]{2,1,0}, f32[1,8]{1,0}) tuple(%bitcast.1, %bitcast.2)
+}
+"""
+
+
+def test_one_callback_maps_operands_to_parameters_and_results_to_callback_results():
+    assert hlo_text.one_callback(_ONE) == hlo_text.OneCallback((1, 0), (1, 0))
+    for other in ("tuple(%bitcast.1, %bitcast.1)",  # a result twice, one never
+                  "tuple(%bitcast.1, %x.1)",  # a parameter returned
+                  "tuple(%bitcast.1, %add)"):  # something computed
+        text = _ONE.replace("tuple(%bitcast.1, %bitcast.2)", other)
+        if "%add" in other:
+            text = text.replace("  ROOT", "  %add = f32[1,8]{1,0} add(%bitcast.2, %bitcast.2)"
+                                "\n  ROOT")
+        assert hlo_text.one_callback(text) is None, other
+    assert hlo_text.one_callback(_ONE.replace('custom_call_target="xla_buffer_python_cpu_'
+                                              'callback"', 'custom_call_target="other"')) is None
+
+
+def _copied(layout: str) -> str:
+    """_ONE with its first result laid out as ``layout`` by the bitcast, then copied to the
+    row-major layout by a fusion that is one copy."""
+    text = _ONE.replace("%bitcast.1 = f32[1,2,4]{2,1,0} bitcast(%gte.1)",
+                        f"%bitcast.1 = f32[1,2,4]{{{layout}}} bitcast(%gte.1)\n"
+                        "  %wrapped_copy = f32[1,2,4]{2,1,0} fusion(%bitcast.1), kind=kLoop, "
+                        "calls=%wrapped_copy_computation")
+    text = text.replace("tuple(%bitcast.1, %bitcast.2)", "tuple(%wrapped_copy, %bitcast.2)")
+    return text.replace("\nENTRY", f"""
+%wrapped_copy_computation (param_0: f32[1,2,4]) -> f32[1,2,4] {{
+  %param_0 = f32[1,2,4]{{{layout}}} parameter(0)
+  ROOT %copy.2 = f32[1,2,4]{{2,1,0}} copy(%param_0)
+}}
+
+ENTRY""")
+
+
+def test_one_callback_sees_through_copies_that_move_no_byte():
+    """A copy between layouts that differ only in where a dimension of size 1 goes keeps
+    every byte in place; one that transposes does not."""
+    assert hlo_text.one_callback(_copied("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0))
+    assert hlo_text.one_callback(_copied("1,2,0")) is None

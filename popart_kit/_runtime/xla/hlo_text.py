@@ -6,8 +6,9 @@ runtime asks of an inference program that delegates (see :mod:`.delegated`):
 * :func:`callback_only_parameters`: the parameters nothing reads but the callbacks (the program
   may then take an unfilled buffer for them; the callbacks read the caller's array);
 * :func:`one_callback`: whether the program is nothing but one callback between its parameters
-  and its results (bitcasts aside), and which parameter each of the callback's operands is
-  and which of its results each program result is (the run may then call the callback itself).
+  and its results (bitcasts and copies that move no byte aside), and which parameter each of
+  the callback's operands is and which of its results each program result is (the run may
+  then call the callback itself).
 
 Both are conservative: any other instruction, a callback whose result may alias an operand, or
 text not understood, and the answer is "no".
@@ -76,19 +77,58 @@ def _parse(line: str) -> Instruction | None:
     return Instruction(head.group(2), match.group(1), operands, line, bool(head.group(1)))
 
 
-def entry(hlo: str) -> list[Instruction] | None:
-    """The entry computation's instructions, in order (None: no entry computation, or a line
-    not of the form ``[ROOT] name = shape opcode(operands)...``)."""
-    parts = hlo.split("\nENTRY ", 1)
-    if len(parts) < 2:
-        return None
+def _block(text: str) -> list[Instruction] | None:
+    """The instructions of a computation's text from its header line to its closing brace."""
     out = []
-    for line in parts[1].split("\n}", 1)[0].splitlines()[1:]:
+    for line in text.split("\n}", 1)[0].splitlines()[1:]:
         instruction = _parse(line)
         if instruction is None:
             return None
         out.append(instruction)
     return out
+
+
+def entry(hlo: str) -> list[Instruction] | None:
+    """The entry computation's instructions, in order (None: no entry computation, or a line
+    not of the form ``[ROOT] name = shape opcode(operands)...``)."""
+    parts = hlo.split("\nENTRY ", 1)
+    return _block(parts[1]) if len(parts) == 2 else None
+
+
+def _computation(hlo: str, name: str) -> list[Instruction] | None:
+    """The instructions of the (non-entry) computation ``name``."""
+    parts = hlo.split(f"\n%{name} (", 1)
+    return _block(parts[1]) if len(parts) == 2 else None
+
+
+_ARRAY = re.compile(r"\w+\[([\d,]*)\]\{([\d,]*)")
+
+
+def _layout(line: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """An array instruction's dimensions and its layout (minor to major) without the
+    dimensions of size 1, which place no bytes (None: not an array of that form)."""
+    found = _ARRAY.match(line.split("=", 1)[1].lstrip())
+    if found is None:
+        return None
+    dims = tuple(int(d) for d in found.group(1).split(",") if d)
+    order = tuple(int(d) for d in found.group(2).split(",") if d)
+    return dims, tuple(d for d in order if d < len(dims) and dims[d] != 1)
+
+
+def _moves_no_bytes(hlo: str, instruction: Instruction, operand: Instruction) -> bool:
+    """Whether ``instruction`` is a copy of ``operand`` (or a fusion that is only one) that
+    keeps every byte where it is: the same dimensions, laid out alike but for dimensions of
+    size 1."""
+    if instruction.opcode == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", instruction.line)
+        body = _computation(hlo, called.group(1)) if called else None
+        if body is None or len(body) != 2 or body[0].opcode != "parameter" or not (
+                body[1].root and body[1].opcode == "copy"):
+            return False
+    elif instruction.opcode != "copy":
+        return False
+    mine, theirs = _layout(instruction.line), _layout(operand.line)
+    return mine is not None and mine == theirs
 
 
 def callback_only_parameters(hlo: str) -> set[int]:
@@ -130,14 +170,17 @@ def one_callback(hlo: str) -> OneCallback | None:
     by_name = {i.name: i for i in instructions}
     calls = [i for i in instructions if i.opcode == "custom-call"]
     allowed = {"parameter", "bitcast", "custom-call", "get-tuple-element", "tuple"}
+    same = {i.name for i in instructions if i.opcode in ("copy", "fusion") and len(
+        i.operands) == 1 and i.operands[0] in by_name and _moves_no_bytes(
+            hlo, i, by_name[i.operands[0]])}
     if len(calls) != 1 or not calls[0].callback or any(
-            i.opcode not in allowed or (i.opcode == "tuple" and not i.root)
-            for i in instructions):
+            (i.opcode not in allowed and i.name not in same)
+            or (i.opcode == "tuple" and not i.root) for i in instructions):
         return None
     call = calls[0]
 
-    def source(name: str) -> Instruction | None:  # back through bitcasts
-        while name in by_name and by_name[name].opcode == "bitcast":
+    def source(name: str) -> Instruction | None:  # back through what moves no bytes
+        while name in by_name and (by_name[name].opcode == "bitcast" or name in same):
             name = by_name[name].operands[0]
         return by_name.get(name)
 

@@ -34,6 +34,7 @@ from ..backend import check_weights
 from . import delegated, profiling
 from .anchors import AnchorBuffers, chunk_size
 from .delegated import Delegation
+from .direct import DirectStep, direct_step
 from .distributed import initialize, watching, world
 from .executors import Executor, HostDrivenExecutor, LoopedExecutor, StepFunctions
 from .grouped import (
@@ -43,6 +44,7 @@ from .grouped import (
     replica_model,
     replica_rows,
 )
+from .hlo_text import OneCallback, one_callback
 from .input_memory import AlignedInputs
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
@@ -119,6 +121,7 @@ class XlaBackend:
         self.chunk = self._chunk(inputs, micro_batches_per_chunk)
         self._anchor_shapes = {name: self.io.anchor_shape(name) for name in self.anchors}
         self._inputs = self._program_inputs()
+        self._dtypes = {name: np.dtype(s.dtype) for name, s in self._inputs.items()}
         self.on_host = loops_on_host(model, self.placement.platform, self.placement.several,
                                      self._trips())
         self._lock = threading.RLock()
@@ -134,6 +137,8 @@ class XlaBackend:
         self.executor: Executor = self._make_executor(pipeline_workers)
         self.staged = AlignedInputs(self.placement.one_cpu and self.pipeline is None)
         self._segment_inputs: set[str] = set()  # inputs read only by onnxruntime, once compiled
+        self._one_callback: OneCallback | None = None  # the program as one segment call
+        self._direct: DirectStep | None = None  # that call, made from the host (direct.py)
         if self._delegates():
             self.graph.delegation = Delegation()  # forward segments by onnxruntime
 
@@ -425,6 +430,8 @@ class XlaBackend:
             self._check_memory(temporaries)
             if self.graph.delegation is not None and isinstance(self.executor, LoopedExecutor):
                 self._segment_inputs = self.executor.callback_only_inputs(self.state)
+                if not self.random and not self.config.profiling.auto_report_dir:
+                    self._one_callback = one_callback(programs[0].as_text())
             self.prepared = True
 
     # -- a run ----------------------------------------------------------------------------------
@@ -447,10 +454,18 @@ class XlaBackend:
             if not self.prepared:
                 self.prepare()
             delegation = self.graph.delegation
+            if self._direct is not None:
+                delegation.offer(self.state.weights)  # type: ignore[union-attr]
+                anchors = self._direct.run(inputs, self.state.weights, self._dtypes)
+                return {name: anchors[name].reshape(shape)
+                        for name, shape in self._anchor_shapes.items()}
+            recording = self._one_callback is not None
             try:
                 host = self._host_inputs(inputs)
                 if delegation is not None:
                     delegation.offer(self.state.weights)
+                    if recording:  # the first run: which segment call the program is
+                        delegation.recording = []
                 if self.placement.processes == 1 and not self.config.profiling.auto_report_dir:
                     result = self.executor.run(host, self.state, self.hyper)  # nothing to wrap
                 else:
@@ -465,15 +480,28 @@ class XlaBackend:
                     jax.block_until_ready(result.anchors)
                     if delegation.returned():  # the program copied an unfilled buffer: its
                         self._segment_inputs = set()  # segments read no values; fill them
+                        self._one_callback = None
                         return self.run(inputs, copy=copy)  # from here on, and run again
+                if recording:
+                    self._direct = self._direct_step(delegation.recording or [])
             finally:
                 if delegation is not None:
                     delegation.returned()
+                    delegation.recording = None
+                self._one_callback = None  # one first run only
             if result.state is not None:
                 self.state = result.state  # the commit, after everything that can fail
             if self.random:
                 self.seed = self.seed.advanced(self.micro_batches)
             return anchors
+
+    def _direct_step(self, recorded: list) -> DirectStep | None:
+        """The runs to come as one segment call from the host (:mod:`.direct`), where the
+        program is that call (None: run the program)."""
+        executor = self.executor
+        assert isinstance(executor, LoopedExecutor) and self._one_callback is not None
+        return direct_step(self._one_callback, recorded, executor.parameters(self.state),
+                           jax.eval_shape(executor.step.work)["buffers"], executor.recycled)
 
     def set_random_seed(self, seed: int) -> None:
         """Seed the model's random operators (PopART's ``setRandomSeed``): the runs from here
