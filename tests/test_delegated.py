@@ -536,3 +536,22 @@ def test_one_callback_sees_through_copies_that_move_no_byte():
     every byte in place; one that transposes does not."""
     assert hlo_text.one_callback(_copied("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0))
     assert hlo_text.one_callback(_copied("1,2,0")) is None
+
+
+def test_one_callback_sees_through_a_fusion_of_bitcasts_and_such_a_copy():
+    fused = _ONE.replace("%bitcast.1 = f32[1,2,4]{2,1,0} bitcast(%gte.1)",
+                         "%bitcast.1 = f32[1,2,4]{2,1,0} fusion(%gte.1), kind=kLoop, "
+                         "calls=%fused_computation")
+    body = """
+%fused_computation (param_0: f32[2,4]) -> f32[1,2,4] {{
+  %param_0 = f32[2,4]{{1,0}} parameter(0)
+  %bitcast.9 = f32[1,2,4]{{{layout}}} bitcast(%param_0)
+  ROOT %copy.9 = f32[1,2,4]{{2,1,0}} copy(%bitcast.9)
+}}
+
+ENTRY"""
+    def text(layout: str) -> str:
+        return fused.replace("\nENTRY", body.format(layout=layout))
+
+    assert hlo_text.one_callback(text("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0))
+    assert hlo_text.one_callback(text("1,2,0")) is None

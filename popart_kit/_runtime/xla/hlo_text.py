@@ -115,20 +115,28 @@ def _layout(line: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return dims, tuple(d for d in order if d < len(dims) and dims[d] != 1)
 
 
-def _moves_no_bytes(hlo: str, instruction: Instruction, operand: Instruction) -> bool:
-    """Whether ``instruction`` is a copy of ``operand`` (or a fusion that is only one) that
-    keeps every byte where it is: the same dimensions, laid out alike but for dimensions of
-    size 1."""
-    if instruction.opcode == "fusion":
-        called = re.search(r"calls=%([\w.\-]+)", instruction.line)
-        body = _computation(hlo, called.group(1)) if called else None
-        if body is None or len(body) != 2 or body[0].opcode != "parameter" or not (
-                body[1].root and body[1].opcode == "copy"):
-            return False
-    elif instruction.opcode != "copy":
-        return False
-    mine, theirs = _layout(instruction.line), _layout(operand.line)
+def _same_bytes(copy: Instruction, operand: Instruction) -> bool:
+    """Whether ``copy`` leaves every byte of ``operand`` where it is: the same dimensions,
+    laid out alike but for dimensions of size 1."""
+    mine, theirs = _layout(copy.line), _layout(operand.line)
     return mine is not None and mine == theirs
+
+
+def _moves_no_bytes(hlo: str, instruction: Instruction, operand: Instruction) -> bool:
+    """Whether ``instruction`` is a copy of ``operand`` that keeps every byte where it is,
+    or a fusion of bitcasts and one such copy."""
+    if instruction.opcode == "copy":
+        return _same_bytes(instruction, operand)
+    called = re.search(r"calls=%([\w.\-]+)", instruction.line)
+    body = _computation(hlo, called.group(1)) if instruction.opcode == "fusion" and called \
+        else None
+    if body is None or [i.opcode for i in body].count("parameter") != 1 or any(
+            i.opcode not in ("parameter", "bitcast", "copy") for i in body):
+        return False
+    copies = [i for i in body if i.opcode == "copy"]
+    inside = {i.name: i for i in body}
+    return (len(copies) == 1 and copies[0].root and copies[0].operands[0] in inside
+            and _same_bytes(copies[0], inside[copies[0].operands[0]]))
 
 
 def callback_only_parameters(hlo: str) -> set[int]:
