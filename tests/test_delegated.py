@@ -501,7 +501,7 @@ custom_call_target="xla_buffer_python_cpu_callback", backend_config={index = 0 :
 
 
 def test_one_callback_maps_operands_to_parameters_and_results_to_callback_results():
-    assert hlo_text.one_callback(_ONE) == hlo_text.OneCallback((1, 0), (1, 0))
+    assert hlo_text.one_callback(_ONE) == hlo_text.OneCallback((1, 0), (1, 0), 3)
     for other in ("tuple(%bitcast.1, %bitcast.1)",  # a result twice, one never
                   "tuple(%bitcast.1, %x.1)",  # a parameter returned
                   "tuple(%bitcast.1, %add)"):  # something computed
@@ -534,7 +534,7 @@ ENTRY""")
 def test_one_callback_sees_through_copies_that_move_no_byte():
     """A copy between layouts that differ only in where a dimension of size 1 goes keeps
     every byte in place; one that transposes does not."""
-    assert hlo_text.one_callback(_copied("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0))
+    assert hlo_text.one_callback(_copied("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0), 3)
     assert hlo_text.one_callback(_copied("1,2,0")) is None
 
 
@@ -553,5 +553,33 @@ ENTRY"""
     def text(layout: str) -> str:
         return fused.replace("\nENTRY", body.format(layout=layout))
 
-    assert hlo_text.one_callback(text("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0))
+    assert hlo_text.one_callback(text("2,0,1")) == hlo_text.OneCallback((1, 0), (1, 0), 3)
     assert hlo_text.one_callback(text("1,2,0")) is None
+
+
+def test_a_direct_step_is_made_only_when_the_first_run_agrees_with_the_program():
+    """Exactly one call, as many parameters as the program takes, a weight operand that
+    weight's own buffer, sizes that match: anything else and the program keeps running."""
+    import jax
+    import jax.numpy as jnp
+
+    from popart_kit._runtime.xla.direct import direct_step
+
+    w = jnp.ones((8,), jnp.float32)
+    shape = hlo_text.OneCallback((1, 0), (0,), 3)
+    parameters = [("weights", "w", (8,)), ("inputs", "x", (1, 2, 4)), ("slots", "y", (1, 8))]
+    outputs = {"y": jax.ShapeDtypeStruct((1, 8), np.float32)}
+
+    def call(ctx, outs, *ins):
+        return None
+
+    good = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer())], [(8,)])]
+    made = direct_step(shape, good, parameters, {"w": w}, outputs, None)
+    assert made is not None and [op[:2] for op in made.operands] == [("inputs", "x"),
+                                                                      ("weights", "w")]
+    assert direct_step(shape, good * 2, parameters, {"w": w}, outputs, None) is None
+    assert direct_step(shape, good, parameters[:2], {"w": w}, outputs, None) is None
+    moved = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer() + 64)], [(8,)])]
+    assert direct_step(shape, moved, parameters, {"w": w}, outputs, None) is None
+    resized = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer())], [(4,)])]
+    assert direct_step(shape, resized, parameters, {"w": w}, outputs, None) is None

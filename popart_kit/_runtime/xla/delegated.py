@@ -107,8 +107,8 @@ class Delegation:
         self._offered: dict[int, jax.Array] = {}
         self._source: Mapping[str, Any] | None = None
         self._lent: list[list[Any]] = []  # [address, bytes, values, read]
-        #: While a list: each segment call a run makes, as (callback, operand shapes, result
-        #: shapes) (see :mod:`.direct`).
+        #: While a list: each segment call a run makes, as (callback, its operands' shapes and
+        #: addresses, its results' shapes) (see :mod:`.direct`).
         self.recording: list[tuple[Callable, list, list]] | None = None
         self._lock = threading.Lock()
 
@@ -393,7 +393,7 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
                if not (w and baked)]
         targets = [np.asarray(o) for o in (outs if isinstance(outs, list | tuple) else [outs])]
         if plan.delegation.recording is not None:
-            plan.delegation.recording.append((run, [a.shape for a in arrays],
+            plan.delegation.recording.append((run, [(a.shape, a.ctypes.data) for a in arrays],
                                               [t.shape for t in targets]))
         if not loops:  # the same buffers as the last run: its binding (bound by address)
             key = (id(session), *(a.ctypes.data for _, a, _ in fed),

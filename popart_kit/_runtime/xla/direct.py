@@ -15,6 +15,7 @@ microseconds a run; the depthwise row of benchmarks/conv_bench.py 0.60 against 0
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,33 +58,36 @@ class DirectStep:
 
 
 def direct_step(shape: OneCallback, recorded: Sequence[tuple[Callable, list, list]],
-                parameters: Sequence[tuple[str, str]],
-                outputs: Mapping[str, jax.ShapeDtypeStruct],
+                parameters: Sequence[tuple[str, str, tuple[int, ...]]],
+                weights: Mapping[str, Any], outputs: Mapping[str, jax.ShapeDtypeStruct],
                 recycled: RecycledAnchors) -> DirectStep | None:
     """The step as a :class:`DirectStep`, from the program's one-callback ``shape``, the
-    callbacks its first run made (``(callback, operand shapes, result shapes)`` each),
-    ``parameters`` (``(kind, name)`` of each program parameter, in order) and the program's
-    ``outputs`` (anchor buffers, in order); None unless the run made exactly one call, of
-    the operands and results ``shape`` names."""
-    if len(recorded) != 1:
+    callbacks its first run made (``(callback, [(operand shape, address)], result shapes)``
+    each), ``parameters`` (``(kind, name, shape)`` of each program parameter, in order), the
+    ``weights`` the run passed and the program's ``outputs`` (anchor buffers, in order); None
+    unless the run made exactly one call, of the operands and results ``shape`` names: as
+    many parameters, each operand of its parameter's size, each weight operand that weight's
+    own buffer, each result of its output's size."""
+    if len(recorded) != 1 or shape.parameters != len(parameters):
         return None
-    call, in_shapes, out_shapes = recorded[0]
+    call, ins, out_shapes = recorded[0]
     names = list(outputs)
-    if len(in_shapes) != len(shape.operands) or len(out_shapes) != len(shape.results) \
+    if len(ins) != len(shape.operands) or len(out_shapes) != len(shape.results) \
             or len(names) != len(shape.results):
         return None
     operands = []
-    for number, in_shape in zip(shape.operands, in_shapes, strict=True):
-        if number >= len(parameters) or parameters[number][0] not in ("weights", "inputs"):
+    for number, (in_shape, address) in zip(shape.operands, ins, strict=True):
+        kind, name, full = parameters[number]
+        if kind not in ("weights", "inputs") or math.prod(full) != math.prod(in_shape) or (
+                kind == "weights" and weights[name].unsafe_buffer_pointer() != address):
             return None
-        operands.append((*parameters[number], tuple(in_shape)))
+        operands.append((kind, name, tuple(in_shape)))
     by_result = {r: names[j] for j, r in enumerate(shape.results)}
     results = []
     for r, out_shape in enumerate(out_shapes):
         name = by_result[r]
         spec = outputs[name]
-        if int(np.prod(spec.shape)) != int(np.prod(out_shape)) or \
-                np.dtype(spec.dtype) != np.float32:
+        if math.prod(spec.shape) != math.prod(out_shape) or np.dtype(spec.dtype) != np.float32:
             return None
         results.append((name, spec, tuple(out_shape)))
     return DirectStep(call, operands, results, recycled)

@@ -191,14 +191,14 @@ class LoopedExecutor:
             self.programs = [program.lower(state.weights, inputs, slots).compile()]
         self._call = _runnable(program, self.programs[0], f.training)
 
-    def parameters(self, state: SessionState) -> list[tuple[str, str]]:
-        """``(kind, name)`` of each parameter of the compiled inference program, in order:
-        the weights, the inputs, the donated anchor memory ("slots")."""
+    def parameters(self, state: SessionState) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(kind, name, shape)`` of each parameter of the compiled inference program, in
+        order: the weights, the inputs, the donated anchor memory ("slots")."""
         inputs = self.placement.abstract(self.step.inputs, self.step.stream_axes)
         paths = jax.tree_util.tree_flatten_with_path(
             {"0": state.weights, "1": inputs, "2": self.recycled.abstract()})[0]
         kinds = {"0": "weights", "1": "inputs", "2": "slots"}
-        return [(kinds[path[0].key], path[1].key) for path, _ in paths]
+        return [(kinds[path[0].key], path[1].key, tuple(np.shape(leaf))) for path, leaf in paths]
 
     def callback_only_inputs(self, state: SessionState) -> set[str]:
         """The inputs the compiled inference program reads only in onnxruntime segments
@@ -206,7 +206,7 @@ class LoopedExecutor:
         if self.step.training or not self.programs:
             return set()
         numbers = callback_only_parameters(self.programs[0].as_text())
-        return {name for i, (kind, name) in enumerate(self.parameters(state))
+        return {name for i, (kind, name, _) in enumerate(self.parameters(state))
                 if kind == "inputs" and i in numbers}
 
     def run(self, inputs: Mapping[str, np.ndarray], state: SessionState,

@@ -162,10 +162,12 @@ def callback_only_parameters(hlo: str) -> set[int]:
 @dataclass(frozen=True)
 class OneCallback:
     """A program that is one callback: ``operands[k]`` is the number of the parameter the
-    callback's operand k is, ``results[j]`` the callback result program result j is."""
+    callback's operand k is, ``results[j]`` the callback result program result j is;
+    ``parameters`` how many the program takes."""
 
     operands: tuple[int, ...]
     results: tuple[int, ...]
+    parameters: int
 
 
 def one_callback(hlo: str) -> OneCallback | None:
@@ -216,4 +218,5 @@ def one_callback(hlo: str) -> OneCallback | None:
             return None
     if sorted(results) != list(range(len(results))):
         return None
-    return OneCallback(tuple(operands), tuple(results))  # type: ignore[arg-type]
+    count = sum(i.opcode == "parameter" for i in instructions)
+    return OneCallback(tuple(operands), tuple(results), count)  # type: ignore[arg-type]

@@ -501,7 +501,8 @@ class XlaBackend:
         executor = self.executor
         assert isinstance(executor, LoopedExecutor) and self._one_callback is not None
         return direct_step(self._one_callback, recorded, executor.parameters(self.state),
-                           jax.eval_shape(executor.step.work)["buffers"], executor.recycled)
+                           self.state.weights, jax.eval_shape(executor.step.work)["buffers"],
+                           executor.recycled)
 
     def set_random_seed(self, seed: int) -> None:
         """Seed the model's random operators (PopART's ``setRandomSeed``): the runs from here
