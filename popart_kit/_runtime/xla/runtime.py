@@ -448,7 +448,8 @@ class XlaBackend:
         CPU device a large one is the run's own result buffer (:mod:`.anchor_memory`), the
         rest one copy of it; ``copy=False`` gives read-only views of the rest where the
         device's memory is the host's (CPU), for a caller that copies them on itself (PopART's
-        PyStepIO writes into the user's arrays)."""
+        PyStepIO writes into the user's arrays). A run made as one onnxruntime call from the
+        host (:mod:`.direct`) gives arrays of its own either way."""
         self.io.check_inputs(inputs)
         with self._lock:
             if not self.prepared:
