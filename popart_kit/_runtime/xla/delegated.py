@@ -139,8 +139,8 @@ class Delegation:
 
     def returned(self) -> int:
         """The run has ended: nothing is lent from here on. Returns how many lent buffers no
-        segment read: a program that took a copy of one (the run must then be refused, its
-        segments having read unfilled memory)."""
+        segment read: a program that took a copy of one, whose segments read the copy's
+        unfilled memory (the run's results are then not to be used)."""
         unread = sum(not read for *_, read in self._lent)
         self._lent = []
         return unread
@@ -392,9 +392,10 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
         fed = [(n, a, flag) for n, a, flag, w in zip(names, arrays, looped, kinds, strict=True)
                if not (w and baked)]
         targets = [np.asarray(o) for o in (outs if isinstance(outs, list | tuple) else [outs])]
-        if plan.delegation.recording is not None:
-            plan.delegation.recording.append((run, [(a.shape, a.ctypes.data) for a in arrays],
-                                              [t.shape for t in targets]))
+        recording = plan.delegation.recording
+        if recording is not None:
+            recording.append((run, [(a.shape, a.ctypes.data) for a in arrays],
+                              [t.shape for t in targets]))
         if not loops:  # the same buffers as the last run: its binding (bound by address)
             key = (id(session), *(a.ctypes.data for _, a, _ in fed),
                    *(t.ctypes.data for t in targets))
