@@ -583,3 +583,29 @@ def test_a_direct_step_is_made_only_when_the_first_run_agrees_with_the_program()
     assert direct_step(shape, moved, parameters, {"w": w}, outputs, None) is None
     resized = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer())], [(4,)])]
     assert direct_step(shape, resized, parameters, {"w": w}, outputs, None) is None
+
+
+def test_has_host_callbacks_finds_every_kind_of_python_call():
+    """What decides how an inference program is dispatched (executors._runnable)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+    from jax.experimental.buffer_callback import buffer_callback
+
+    x = jnp.ones(4, jnp.float32)
+    out = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+    def fill(ctx, result, value):
+        np.asarray(result)[...] = np.asarray(value)
+
+    programs = {
+        "pure": lambda v: jax.pure_callback(lambda a: np.asarray(a) * 2, out, v),
+        "io": lambda v: io_callback(lambda a: np.asarray(a), out, v),
+        "buffer": lambda v: buffer_callback(fill, out)(v),
+        "looped": lambda v: jax.lax.fori_loop(
+            0, 2, lambda i, a: jax.pure_callback(lambda b: np.asarray(b), out, a), v),
+        "none": lambda v: v * 2,
+    }
+    found = {name: hlo_text.has_host_callbacks(jax.jit(fn).lower(x).compile().as_text())
+             for name, fn in programs.items()}
+    assert found == {"pure": True, "io": True, "buffer": True, "looped": True, "none": False}

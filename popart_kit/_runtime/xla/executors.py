@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .anchor_memory import RecycledAnchors
-from .hlo_text import callback_only_parameters
+from .hlo_text import callback_only_parameters, has_host_callbacks
 from .placement import Placement
 from .state import SessionState
 from .steps import loop
@@ -117,8 +117,7 @@ def _runnable(jitted: Any, compiled: Any, training: bool) -> Any:
     compiles the program once more on its first call (the callbacks are new objects):
     tens of milliseconds for an inference program, whose heavy work is in the callbacks, too
     long for a training one, whose backward XLA compiles."""
-    call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
-    return jitted if not training and getattr(call, "has_host_callbacks", False) else compiled
+    return jitted if not training and has_host_callbacks(compiled.as_text()) else compiled
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -1,7 +1,8 @@
 """What a compiled program's HLO text says about its onnxruntime segments' callbacks.
 
-Pure text, no JAX: the entry computation's instructions (:func:`entry`), and two questions the
-runtime asks of an inference program that delegates (see :mod:`.delegated`):
+Pure text, no JAX: the entry computation's instructions (:func:`entry`), whether the program
+calls Python at all (:func:`has_host_callbacks`), and two questions the runtime asks of an
+inference program that delegates (see :mod:`.delegated`):
 
 * :func:`callback_only_parameters`: the parameters nothing reads but the callbacks (the program
   may then take an unfilled buffer for them; the callbacks read the caller's array);
@@ -20,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["CALLBACK_TARGET", "Instruction", "OneCallback", "callback_only_parameters", "entry",
-           "one_callback"]
+           "has_host_callbacks", "one_callback"]
 
 #: The custom call a ``jax.experimental.buffer_callback`` lowers to on CPU.
 CALLBACK_TARGET = "xla_buffer_python_cpu_callback"
@@ -137,6 +138,15 @@ def _moves_no_bytes(hlo: str, instruction: Instruction, operand: Instruction) ->
     inside = {i.name: i for i in body}
     return (len(copies) == 1 and copies[0].root and copies[0].operands[0] in inside
             and _same_bytes(copies[0], inside[copies[0].operands[0]]))
+
+
+_HOST_CALLBACK = re.compile(r'custom_call_target="xla_(?:buffer_|ffi_)?python_cpu_callback"')
+
+
+def has_host_callbacks(hlo: str) -> bool:
+    """Whether any computation of the program calls Python on the host (a segment's buffer
+    callback, ``jax.pure_callback``, ``jax.experimental.io_callback``)."""
+    return _HOST_CALLBACK.search(hlo) is not None
 
 
 def callback_only_parameters(hlo: str) -> set[int]:
