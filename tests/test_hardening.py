@@ -336,6 +336,21 @@ def test_int64_labels_that_do_not_fit_int32_are_refused():
     assert "K-int64-range" in err.rules and str(2**32 + 1) in str(err)
 
 
+def test_int64_values_for_an_int32_input_that_indexes_nothing_are_still_range_checked():
+    """Only a model no run's values can fail (no index input, no integer input) skips the
+    checks: an int32 input that is not an index still refuses int64 values that wrap."""
+    n = helper.make_tensor_value_info("n", onnx.TensorProto.INT32, [2])
+    m = helper.make_tensor_value_info("m", onnx.TensorProto.INT32, [2])
+    proto = model([helper.make_node("Add", ["n", "n"], ["m"])], inputs=(n,), outputs=(m,))
+    cfg = pk.SessionConfig(mode="inference", device={"target": "offline"})
+    sess = pk.InferenceSession(proto.SerializeToString(), cfg, backend="xla")
+    err = refused(pk.InvalidData, sess.run, {"n": np.array([1, 2**33], np.int64)})
+    assert "K-int64-range" in err.rules
+    floats = pk.InferenceSession(model([helper.make_node("Add", ["x", "w"], ["y"])],
+                                       inits=[W]).SerializeToString(), cfg, backend="xla")
+    assert floats._indices is None and sess._indices is not None
+
+
 def test_index_checks_can_be_turned_off():
     sess = classifier_session(check_indices=False)
     sess.run({"x": np.ones((4, 6), np.float32), "label": np.array([0, 1, 7, 2], np.int32)})

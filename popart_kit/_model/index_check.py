@@ -74,8 +74,15 @@ def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
 class IndexChecks:
     """The index inputs of one model and their valid ranges; :meth:`check` runs them."""
 
-    def __init__(self, ranges: list[IndexRange]) -> None:
+    def __init__(self, ranges: list[IndexRange], narrows: bool = True) -> None:
         self.ranges = ranges
+        self.narrows = narrows  # an input may arrive as 64-bit integers (then checked)
+
+    @property
+    def needed(self) -> bool:
+        """Whether a run's arrays can fail these checks: an index input, or an input that
+        may be given as int64 or uint64 (an int32 input accepts int64 arrays)."""
+        return bool(self.ranges) or self.narrows
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto) -> IndexChecks:
@@ -103,7 +110,10 @@ class IndexChecks:
                 axis = _attr(node, "axis", 0)
                 if -len(data) <= axis < len(data) and data[axis]:
                     ranges.append(IndexRange(node.input[1], label, data[axis], -data[axis]))
-        return cls(ranges)
+        wide = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64}
+        narrows = any(v.type.tensor_type.elem_type in wide for v in graph.input
+                      if v.name in inputs)
+        return cls(ranges, narrows)
 
     def problems(self, arrays: Mapping[str, Any]) -> list[Problem]:
         """Every index out of range and every 64-bit value outside 32 bits, in ``arrays``."""

@@ -71,7 +71,10 @@ class _Session:
             self.layout.check(config)
         self.anchors = {name: AnchorReturnType.of(art) for name, art in anchors.items()}
         self.check_indices = check_indices
-        self._indices = IndexChecks.from_model(self.model) if check_indices else None
+        # a model whose runs' values cannot fail them (no index input, no integer input)
+        # skips them
+        checks = IndexChecks.from_model(self.model) if check_indices else None
+        self._indices = checks if checks is not None and checks.needed else None
 
     def _share_index_sizes(self) -> None:
         """Let the host-array factory draw random index inputs within the sizes they index."""
