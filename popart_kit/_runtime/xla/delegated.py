@@ -525,4 +525,3 @@ def _keeps_axis_0(node: Any, batched: set[str], shapes: Mapping[str, tuple[int, 
         out_rank = rank if op == "Squeeze" else rank + len(np.ravel(axes))
         return all(axis(int(a), out_rank) != 0 for a in np.ravel(axes))
     return False
-

@@ -199,12 +199,13 @@ class LoopedExecutor:
         kinds = {"0": "weights", "1": "inputs", "2": "slots"}
         return [(kinds[path[0].key], path[1].key, tuple(np.shape(leaf))) for path, leaf in paths]
 
-    def callback_only_inputs(self, state: SessionState) -> set[str]:
-        """The inputs the compiled inference program reads only in onnxruntime segments
-        (:func:`~.hlo_text.callback_only_parameters`; none for training)."""
-        if self.step.training or not self.programs:
+    def callback_only_inputs(self, state: SessionState, hlo: str) -> set[str]:
+        """The inputs the compiled inference program (``hlo``: its text) reads only in
+        onnxruntime segments (:func:`~.hlo_text.callback_only_parameters`; none for
+        training)."""
+        if self.step.training:
             return set()
-        numbers = callback_only_parameters(self.programs[0].as_text())
+        numbers = callback_only_parameters(hlo)
         return {name for i, (kind, name, _) in enumerate(self.parameters(state))
                 if kind == "inputs" and i in numbers}
 

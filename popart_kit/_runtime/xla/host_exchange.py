@@ -105,6 +105,10 @@ def available() -> str:
                f"{platform.machine()}"
     if not os.path.isdir(SHM_DIR):
         return f"{SHM_DIR} does not exist"
+    try:  # the programs' exchanges are buffer callbacks (_host_call)
+        from jax.experimental.buffer_callback import buffer_callback  # noqa: F401
+    except ImportError:
+        return "this JAX has no jax.experimental.buffer_callback"
     return ""
 
 

@@ -429,9 +429,10 @@ class XlaBackend:
                                if p.memory_analysis() is not None), default=0)
             self._check_memory(temporaries)
             if self.graph.delegation is not None and isinstance(self.executor, LoopedExecutor):
-                self._segment_inputs = self.executor.callback_only_inputs(self.state)
+                hlo = programs[0].as_text()
+                self._segment_inputs = self.executor.callback_only_inputs(self.state, hlo)
                 if not self.random and not self.config.profiling.auto_report_dir:
-                    self._one_callback = one_callback(programs[0].as_text())
+                    self._one_callback = one_callback(hlo)
             self.prepared = True
 
     # -- a run ----------------------------------------------------------------------------------
@@ -478,7 +479,7 @@ class XlaBackend:
                 anchors = {name: _host(result.anchors[name], copy).reshape(shape)
                            for name, shape in self._anchor_shapes.items()}
                 if delegation is not None and delegation.lent:
-                    jax.block_until_ready(result.anchors)
+                    jax.block_until_ready(result.anchors)  # done (above, unless no anchors)
                     if delegation.returned():  # the program copied an unfilled buffer: its
                         self._segment_inputs = set()  # segments read no values; fill them
                         self._one_callback = None
