@@ -12,8 +12,8 @@ moves between the two by changing the program name.
 The instances on a host share its cores: each runs on its own contiguous share of the
 launcher's (:func:`core_share`), so that XLA's and onnxruntime's thread pools, sized by the
 cores a process may use, do not oversubscribe the host (2 instances x 2 replicas on 2 cores:
-0.27-0.29x of 1 x 4's throughput on all cores, 0.42-0.48x pinned; ``POPART_KIT_PIN_CORES=0``
-leaves every instance on all of them).
+0.36x of 1 x 4's throughput on all cores, 0.67x pinned; ``POPART_KIT_PIN_CORES=0`` leaves
+every instance on all of them).
 
 Each instance's output is forwarded line by line with an ``[instance i]`` prefix. When an
 instance fails, the others get ``fault_timeout`` seconds to stop on their own (the xla backend's

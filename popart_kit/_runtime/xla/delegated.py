@@ -46,7 +46,7 @@ and replica in one call.
 A segment's session has one intra-op thread per core the process may use, spinning between
 parallel sections and for a while after a run, as onnxruntime does by default. Measured
 (runtime_bench.py, 2 cores), against threads that stop when a run ends: an MLP's run at bps 1
-200 against 225 microseconds, the convnet 62 000 against 50 000 samples/s (one thread: the
+150-180 against 180 microseconds, the convnet 62 000 against 50 000 samples/s (one thread: the
 depthwise row 1.25 against 0.58 ms). The cost is other CPU work in the 40 ms after a run:
 numpy matrix products ran 1.6x slower there, onnxruntime's own runs up to 2x.
 ``POPART_KIT_ORT_SPINNING=0`` (read as a session is built) stops the threads when each run
