@@ -4,6 +4,8 @@ replica its own, and XLA wherever a segment cannot be delegated."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -470,6 +472,31 @@ def test_a_large_anchor_held_by_the_caller_is_never_written_by_a_later_direct_ru
     np.testing.assert_array_equal(held, kept)
 
 
+def test_direct_runs_read_each_runs_values_and_hand_out_arrays_of_their_own():
+    """The same input array refilled between runs, then another array: each run computes
+    from the values its input holds then, and every run's anchors are writable arrays that
+    no later run writes."""
+    model = _convnet()
+    sess = _session(model, anchors={"p1": "All", "y": "All"})
+    x = _x((2, 3, 16, 16), seed=90)
+    sess.run({"x": x})
+    outs, wants = [], []
+    for seed in (91, 92):
+        x[...] = _x((2, 3, 16, 16), seed=seed)
+        outs.append(sess.run({"x": x}))
+        wants.append({name: _xla(model, x.copy(), name) for name in ("p1", "y")})
+    assert sess.runtime._direct is not None
+    other = _x((2, 3, 16, 16), seed=93)
+    outs.append(sess.run({"x": other}))
+    wants.append({name: _xla(model, other, name) for name in ("p1", "y")})
+    for out, want in zip(outs, wants, strict=True):
+        for name in ("p1", "y"):
+            assert out[name].flags.writeable
+            np.testing.assert_allclose(out[name].reshape(want[name].shape), want[name],
+                                       rtol=1e-5, atol=1e-6)
+    assert not np.shares_memory(outs[0]["y"], outs[1]["y"])
+
+
 def test_a_program_that_computes_more_than_one_segment_call_runs_as_compiled():
     """The input anchored too (the program returns it): every run is the program's."""
     model = _convnet()
@@ -563,6 +590,7 @@ def test_a_direct_step_is_made_only_when_the_first_run_agrees_with_the_program()
     import jax
     import jax.numpy as jnp
 
+    from popart_kit._runtime.xla.delegated import SegmentCall
     from popart_kit._runtime.xla.direct import direct_step
 
     w = jnp.ones((8,), jnp.float32)
@@ -570,13 +598,13 @@ def test_a_direct_step_is_made_only_when_the_first_run_agrees_with_the_program()
     parameters = [("weights", "w", (8,)), ("inputs", "x", (1, 2, 4)), ("slots", "y", (1, 8))]
     outputs = {"y": jax.ShapeDtypeStruct((1, 8), np.float32)}
 
-    def call(ctx, outs, *ins):
-        return None
-
+    call = SegmentCall(None, ("x", "w"), ("y",), (False, True), ())
     good = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer())], [(8,)])]
-    made = direct_step(shape, good, parameters, {"w": w}, outputs, None)
+    made = direct_step(shape, good, parameters, {"w": w}, outputs, {"y": (8,)})
     assert made is not None and [op[:2] for op in made.operands] == [("inputs", "x"),
                                                                       ("weights", "w")]
+    looped = [(dataclasses.replace(call, loops=(2,)), *good[0][1:])]  # one run per index
+    assert direct_step(shape, looped, parameters, {"w": w}, outputs, {"y": (8,)}) is None
     assert direct_step(shape, good * 2, parameters, {"w": w}, outputs, None) is None
     assert direct_step(shape, good, parameters[:2], {"w": w}, outputs, None) is None
     moved = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer() + 64)], [(8,)])]

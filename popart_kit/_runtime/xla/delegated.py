@@ -59,6 +59,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -67,7 +68,7 @@ import numpy as np
 from . import conv_mlas
 
 __all__ = ["CHUNK_BYTES", "HEAVY", "KEEP", "OPS", "SPINNING", "Delegation", "Segment",
-           "available", "foldable"]
+           "SegmentCall", "available", "foldable"]
 
 #: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
 #: segment may hold.
@@ -107,9 +108,9 @@ class Delegation:
         self._offered: dict[int, jax.Array] = {}
         self._source: Mapping[str, Any] | None = None
         self._lent: list[list[Any]] = []  # [address, bytes, values, read]
-        #: While a list: each segment call a run makes, as (callback, its operands' shapes and
-        #: addresses, its results' shapes) (see :mod:`.direct`).
-        self.recording: list[tuple[Callable, list, list]] | None = None
+        #: While a list: each segment call a run makes, as (:class:`SegmentCall`, its
+        #: operands' shapes and addresses, its results' shapes) (see :mod:`.direct`).
+        self.recording: list[tuple[SegmentCall, list, list]] | None = None
         self._lock = threading.Lock()
 
     def offer(self, weights: Mapping[str, Any]) -> None:
@@ -164,6 +165,19 @@ class Delegation:
         with self._lock:
             found = [self._offered.get(a) for a in addresses]
         return None if any(a is None for a in found) else found  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SegmentCall:
+    """What one segment call runs: ``plan``'s sessions, fed the operands ``names`` (weights
+    where ``kinds`` is true) and writing ``outputs``, once per index of ``loops`` (the
+    leading axes of its batched operands; ``()``: one run)."""
+
+    plan: _Plan
+    names: tuple[str, ...]
+    outputs: tuple[str, ...]
+    kinds: tuple[bool, ...]
+    loops: tuple[int, ...]
 
 
 class _Plan:
@@ -383,6 +397,7 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
     results = [jax.ShapeDtypeStruct((*loops, *t.shape), t.dtype) for t in types]
 
     last: list[Any] = [None, None]  # the last single run's (buffer addresses, binding)
+    called = SegmentCall(plan, tuple(names), tuple(outputs), tuple(kinds), loops)
 
     def run(ctx: Any, outs: Any, *ins: Any) -> None:
         arrays = [np.asarray(a) for a in ins]
@@ -394,7 +409,7 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
         targets = [np.asarray(o) for o in (outs if isinstance(outs, list | tuple) else [outs])]
         recording = plan.delegation.recording
         if recording is not None:
-            recording.append((run, [(a.shape, a.ctypes.data) for a in arrays],
+            recording.append((called, [(a.shape, a.ctypes.data) for a in arrays],
                               [t.shape for t in targets]))
         if not loops:  # the same buffers as the last run: its binding (bound by address)
             key = (id(session), *(a.ctypes.data for _, a, _ in fed),

@@ -3,76 +3,95 @@
 Where a compiled inference program is nothing but one segment's callback between its
 parameters and its results (:func:`~.hlo_text.one_callback`: the whole model delegated, its
 micro-batches and replicas stacked into one onnxruntime run, every anchor one of its
-outputs), :class:`DirectStep` makes the runs after the first by calling that callback itself:
-the caller's arrays in where they lie (aligned or not), the anchors' memory out (large ones
-recycled as the program's are, :mod:`.anchor_memory`), no program dispatch or callback
-machinery between. The callback is the one the first run made (recorded by the session's
-:class:`~.delegated.Delegation`), so what it computes is what the program computed. Measured
-(2 cores, the same loop of runs): MNIST's 1->32 k5 convolution at batch 1, 73 against 37
-microseconds a run; the depthwise row of benchmarks/conv_bench.py 0.60 against 0.47 ms; the
-540x960 row 4.7 against 4.3 ms (onnxruntime alone: 34 us, 0.44 ms, 4.2 ms).
+outputs), :class:`DirectStep` makes the runs after the first as that segment's onnxruntime
+``run`` on the caller's arrays, as a program of onnxruntime alone would: no program dispatch,
+callback machinery or binding between, the outputs' memory onnxruntime's (kept by its
+allocator between runs). The session is the one the first run's call used (recorded by the
+session's :class:`~.delegated.Delegation`), so what it computes is what the program
+computed. Measured (2 cores, interleaved with onnxruntime's own session of the model, medians):
+MNIST's 1->32 k5 convolution at batch 1, 27.5 against 20-25 microseconds a run through the
+segment's binding (onnxruntime alone 17-20); at batch 32 about 330 against 290 (onnxruntime 270).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from .anchor_memory import RecycledAnchors
+from .delegated import SegmentCall
 from .hlo_text import OneCallback
 
 __all__ = ["DirectStep", "direct_step"]
 
 
 class DirectStep:
-    """One run: ``call(None, outs, *ins)`` with ``operands`` (``("weights" | "inputs",
-    name, shape)`` each, in the callback's order and shapes) and ``results`` (the anchor, its
-    program shape and the callback's, in the callback's order)."""
+    """Runs of one segment call (:class:`~.delegated.SegmentCall`, a single onnxruntime run)
+    with ``operands`` (``("weights" | "inputs", name, shape)`` each, in the call's order and
+    shapes) and ``results`` (each anchor's name, the session's anchor shape and the call's
+    shape, in the call's order), by onnxruntime's own ``run``: it reads the inputs where they
+    lie and hands out its outputs' memory (writable arrays of their own, its allocator
+    keeping memory between runs). The session, and the weights where it reads them as inputs,
+    are looked up once per weights mapping."""
 
-    def __init__(self, call: Callable[..., None], operands: Sequence[tuple[str, str, tuple]],
-                 results: Sequence[tuple[str, jax.ShapeDtypeStruct, tuple]],
-                 recycled: RecycledAnchors) -> None:
-        self.call, self.operands, self.results = call, list(operands), list(results)
-        self.recycled = recycled
-        self._weights: tuple[Any, dict[str, np.ndarray]] = (None, {})
+    def __init__(self, segment: SegmentCall, operands: Sequence[tuple[str, str, tuple]],
+                 results: Sequence[tuple[str, tuple[int, ...], tuple]]) -> None:
+        self.segment, self.operands = segment, list(operands)
+        feeds = list(zip(self.operands, segment.names, strict=True))
+        self._inputs = [(name, shape, fed) for (kind, name, shape), fed in feeds
+                        if kind == "inputs"]
+        self._weights = [(name, shape, fed) for (kind, name, shape), fed in feeds
+                         if kind == "weights"]
+        self._outputs = list(segment.outputs)
+        self._anchors = [(anchor, shape) for anchor, shape, _ in results]
+        self._state: Any = None  # the weights mapping the session is for
+        self._session: Any = None
+        self._fed: dict[str, np.ndarray] = {}  # weights the session reads as inputs
+
+    def _use(self, weights: Mapping[str, Any]) -> None:
+        """The session for the session's weights ``weights``."""
+        plan = self.segment.plan
+        plan.delegation.offer(weights)
+        views = [np.asarray(weights[name]).reshape(shape) for name, shape, _ in self._weights]
+        session, baked = plan.session(views)
+        self._fed = {} if baked else {fed: view for view, (_, _, fed) in
+                                      zip(views, self._weights, strict=True)}
+        self._state, self._session = weights, session
 
     def run(self, inputs: Mapping[str, np.ndarray], weights: Mapping[str, Any],
             dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
         """The anchors of one run on the host arrays ``inputs`` (cast to ``dtypes``) with the
-        session's current ``weights``: host arrays of the program's result shapes."""
-        if self._weights[0] is not weights:  # views of the weights' memory, once per state
-            self._weights = (weights, {n: np.asarray(weights[n]) for kind, n, _ in
-                                       self.operands if kind == "weights"})
-        views = self._weights[1]
-        ins = [views[name].reshape(shape) if kind == "weights" else np.ascontiguousarray(
-            inputs[name], dtypes[name]).reshape(shape) for kind, name, shape in self.operands]
-        held = self.recycled.hand_out(self.recycled.slots())  # large anchors' kept memory
-        anchors = {name: held[name] if name in held else np.empty(s.shape, s.dtype)
-                   for name, s, _ in self.results}
-        self.call(None, [anchors[name].reshape(shape) for name, _, shape in self.results], *ins)
-        return anchors
+        session's current ``weights``: writable arrays of their own, in the anchors' shapes."""
+        if self._state is not weights:
+            self._use(weights)
+        feeds = dict(self._fed)
+        for name, shape, fed in self._inputs:
+            feeds[fed] = np.ascontiguousarray(inputs[name], dtypes[name]).reshape(shape)
+        outs = self._session.run(self._outputs, feeds)
+        return {anchor: out.reshape(shape)
+                for (anchor, shape), out in zip(self._anchors, outs, strict=True)}
 
 
-def direct_step(shape: OneCallback, recorded: Sequence[tuple[Callable, list, list]],
+def direct_step(shape: OneCallback, recorded: Sequence[tuple[SegmentCall, list, list]],
                 parameters: Sequence[tuple[str, str, tuple[int, ...]]],
                 weights: Mapping[str, Any], outputs: Mapping[str, jax.ShapeDtypeStruct],
-                recycled: RecycledAnchors) -> DirectStep | None:
+                anchor_shapes: Mapping[str, tuple[int, ...]]) -> DirectStep | None:
     """The step as a :class:`DirectStep`, from the program's one-callback ``shape``, the
-    callbacks its first run made (``(callback, [(operand shape, address)], result shapes)``
+    segment calls its first run made (``(call, [(operand shape, address)], result shapes)``
     each), ``parameters`` (``(kind, name, shape)`` of each program parameter, in order), the
-    ``weights`` the run passed and the program's ``outputs`` (anchor buffers, in order); None
-    unless the run made exactly one call, of the operands and results ``shape`` names: as
-    many parameters, each operand of its parameter's size, each weight operand that weight's
-    own buffer, each result of its output's size."""
+    ``weights`` the run passed, the program's ``outputs`` (anchor buffers, in order) and the
+    session's ``anchor_shapes``; None unless the run made exactly one call, a single
+    onnxruntime run, of the operands and results ``shape`` names: as many parameters, each
+    operand of its parameter's size, each weight operand that weight's own buffer, each result
+    of its output's size, float32."""
     if len(recorded) != 1 or shape.parameters != len(parameters):
         return None
     call, ins, out_shapes = recorded[0]
     names = list(outputs)
-    if len(ins) != len(shape.operands) or len(out_shapes) != len(shape.results) \
+    if call.loops or len(ins) != len(shape.operands) or len(out_shapes) != len(shape.results) \
             or len(names) != len(shape.results):
         return None
     operands = []
@@ -89,5 +108,5 @@ def direct_step(shape: OneCallback, recorded: Sequence[tuple[Callable, list, lis
         spec = outputs[name]
         if math.prod(spec.shape) != math.prod(out_shape) or np.dtype(spec.dtype) != np.float32:
             return None
-        results.append((name, spec, tuple(out_shape)))
-    return DirectStep(call, operands, results, recycled)
+        results.append((name, tuple(anchor_shapes[name]), tuple(out_shape)))
+    return DirectStep(call, operands, results)

@@ -457,10 +457,7 @@ class XlaBackend:
                 self.prepare()
             delegation = self.graph.delegation
             if self._direct is not None:
-                delegation.offer(self.state.weights)  # type: ignore[union-attr]
-                anchors = self._direct.run(inputs, self.state.weights, self._dtypes)
-                return {name: anchors[name].reshape(shape)
-                        for name, shape in self._anchor_shapes.items()}
+                return self._direct.run(inputs, self.state.weights, self._dtypes)
             recording = self._one_callback is not None
             try:
                 host = self._host_inputs(inputs)
@@ -504,7 +501,7 @@ class XlaBackend:
         assert isinstance(executor, LoopedExecutor) and self._one_callback is not None
         return direct_step(self._one_callback, recorded, executor.parameters(self.state),
                            self.state.weights, jax.eval_shape(executor.step.work)["buffers"],
-                           executor.recycled)
+                           self._anchor_shapes)
 
     def set_random_seed(self, seed: int) -> None:
         """Seed the model's random operators (PopART's ``setRandomSeed``): the runs from here
