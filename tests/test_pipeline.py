@@ -140,20 +140,30 @@ def test_norm_only_recomputation_is_refused():
         session(2, 1, True, True, bps=1, acc=3, recompute="norm_only")
 
 
-def test_too_few_devices_falls_back_once_and_refuses_stale_weights(monkeypatch):
+def test_stages_take_turns_on_a_host_with_fewer_devices_than_stages(monkeypatch):
+    """One device (a one-GPU host) and three stages: the pipeline keeps its schedule, every
+    stage on that device, and computes what it computes on devices of their own - stale
+    weights (training without accumulation) included."""
     import jax
 
+    def trained(sess, feed):
+        outs = [sess.run(feed) for _ in range(2)]
+        return outs, sess.weights()
+
+    own = session(3, 1, True, True, bps=5)
+    want = trained(*own)
     one = jax.local_devices()[:1]
     monkeypatch.setattr(pipeline.jax, "local_devices", lambda *a, **k: one)
-    model, x, y, loss, _ = mlp(2)
-    cfg = pk.SessionConfig(mode="inference", batches_per_step=2, ipus_per_replica=2,
-                           pipeline={"enabled": True}, device={"target": "offline"})
-    with pytest.warns(pk.PopartKitWarning, match="2 stages need 2 devices.*one after the other"):
-        sess = pk.InferenceSession(model, cfg, anchors={y: "All"}, backend="xla")
-    assert sess.schedule is None
-    stale = cfg.model_copy(update={"mode": "training", "batches_per_step": 3})
-    with pytest.raises(pk.PopartKitError, match="stale weights.*need 2 devices"):
-        pk.TrainingSession(model, stale, loss=loss, optimizer=pk.SGD(0.1), backend="xla")
+    shared = session(3, 1, True, True, bps=5)
+    sess = shared[0]
+    assert sess.runtime.pipeline is not None and sess.schedule is not None
+    assert len(set(sess.placement.values())) == 1
+    got = trained(*shared)
+    for a, b in zip(got[0], want[0], strict=True):
+        for name in b:
+            np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-6)
+    for name, value in want[1].items():
+        np.testing.assert_allclose(got[1][name], value, rtol=2e-5, atol=1e-6)
 
 
 def test_replicas_of_a_stage_on_devices_of_their_own(monkeypatch):
@@ -238,12 +248,10 @@ def test_gradient_and_weight_anchors_are_computed_by_the_stages():
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_restored_activations_equal_the_forward_ones(pipelined, monkeypatch):
+def test_restored_activations_equal_the_forward_ones(pipelined):
     """PopART's Restored___ anchor: a stashed activation as the backward reads it back (also
-    when too few devices make the session run unpipelined)."""
-    if not pipelined:
-        one = pipeline.jax.local_devices()[:1]
-        monkeypatch.setattr(pipeline.jax, "local_devices", lambda *a, **k: one)
+    when gradient clipping, which the stages' separate updates cannot see, makes the session
+    run unpipelined)."""
     model, x, y, loss, _ = mlp(2)
     h = next(n.output[0] for n in onnx.load_from_string(model).graph.node if n.op_type == "Tanh")
     cfg = pk.SessionConfig(mode="training", batches_per_step=1, accumulation={"factor": 3},
@@ -251,7 +259,9 @@ def test_restored_activations_equal_the_forward_ones(pipelined, monkeypatch):
                            device={"target": "offline"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pk.PopartKitWarning)
-        sess = pk.TrainingSession(model, cfg, loss=loss, optimizer=pk.SGD(LR), backend="xla",
+        clip = () if pipelined else ((None, 1e6),)
+        sess = pk.TrainingSession(model, cfg, loss=loss, backend="xla",
+                                  optimizer=pk.SGD(LR, clip_norm=clip),
                                   anchors={h: "All", "Restored___" + h: "All"})
     assert (sess.schedule is not None) == pipelined
     out = sess.run(sess.io.allocate_inputs("random"))

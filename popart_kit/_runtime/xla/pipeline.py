@@ -203,10 +203,7 @@ def pipeline_for(facts: PipelineFacts, workers: str = "threads"
         return None, f"the loss {facts.loss!r} is not computed on the last stage"
     if workers == "processes":
         return PipelineExecutor(facts, stages, None), ""
-    devices = facts.placement.stage_devices(len(stages))
-    if isinstance(devices, str):
-        return None, devices
-    return PipelineExecutor(facts, stages, devices), ""
+    return PipelineExecutor(facts, stages, facts.placement.stage_devices(len(stages))), ""
 
 
 def _nbytes(array: Any) -> int:

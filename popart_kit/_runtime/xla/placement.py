@@ -185,14 +185,15 @@ class Placement:
 
     # -- pipeline stages --------------------------------------------------------------------
 
-    def stage_devices(self, stages: int) -> list[list[jax.Device]] | str:
-        """This process's devices for each of ``stages`` pipeline stages - a stage's replicas
+    def stage_devices(self, stages: int) -> list[list[jax.Device]]:
+        """This process's devices for each of ``stages`` pipeline stages: a stage's replicas
         on as many devices as the unpipelined placement gives them while the host has R x K
-        (one each on CPU, and across instances), else one - or why there are too few."""
+        (one each on CPU, and across instances), else one. A host with fewer devices than
+        stages (one GPU) gives them in turn, stage s the device s modulo their number: the
+        stages keep their schedule, and those sharing a device take turns on it."""
         devices = jax.local_devices(backend=self.platform)
         if len(devices) < stages:
-            return (f"{stages} stages need {stages} devices and this host has "
-                    f"{len(devices)} {self.platform.upper()} device(s)")
+            return [[devices[s % len(devices)]] for s in range(stages)]
         per = len(self.devices)
         per = per if len(devices) >= per * stages and not self.distributed else 1
         return [devices[s * per:(s + 1) * per] for s in range(stages)]
