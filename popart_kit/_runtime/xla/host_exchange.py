@@ -371,7 +371,11 @@ def start(job: LocalJob | None) -> None:
 
 
 def current() -> LocalJob | None:
-    return _JOB
+    """The process's job, for programs on the CPU (a GPU's buffers are not host memory that a
+    callback can read: there the sum stays on jax.distributed's collectives)."""
+    import jax
+
+    return _JOB if _JOB is not None and jax.default_backend() == "cpu" else None
 
 
 def cleanup() -> None:
