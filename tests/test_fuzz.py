@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import popart_kit as pk
 from popart_kit._model.checks import check_model
-from popart_kit._model.index_check import IndexChecks
+from popart_kit._model.index_check import IndexChecks, IndexRange
 
 pytestmark = pytest.mark.filterwarnings("ignore::popart_kit.PopartKitWarning")
 
@@ -259,3 +259,18 @@ def test_batches_never_turn_a_value_infinite(values):
         return
     assert np.isfinite(got).all() == np.isfinite(values).all()
     assert np.isnan(got).all() == np.isnan(values).all()
+
+
+@fuzz("arrays")
+@given(values=st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=8),
+       dtype=st.sampled_from(["<i4", ">i4", "<i8", ">i8", "<u4", ">u2", "|i1", "|u1"]),
+       size=st.integers(1, 300), negative=st.booleans())
+def test_an_index_is_refused_exactly_when_it_lies_outside_its_range(values, dtype, size,
+                                                                   negative):
+    """Whatever the integer type and byte order: refused iff a value is outside low..size-1."""
+    info = np.iinfo(np.dtype(dtype))
+    array = np.array([min(max(v, info.min), info.max) for v in values], dtype=dtype)
+    low = -size if negative else 0
+    checks = IndexChecks([IndexRange("i", "g", size, low)], narrows=False)
+    outside = any(not low <= int(v) < size for v in array)
+    assert bool(checks.problems({"i": array})) == outside
