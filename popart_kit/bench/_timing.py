@@ -3,6 +3,7 @@ sees the same machine load, summarised as median and spread."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -40,19 +41,25 @@ def stats(times: list[float]) -> Stats:
 
 def interleaved(repeat: int, warmup: int = 1, block: int = 1, settle: float = 0.02,
                 **fns: Callable[[], object]) -> dict[str, Stats]:
-    """Each function called ``warmup`` times (not counted), then all in turn ``repeat`` times:
-    with ``block`` > 1, each turn first calls it uncounted for ``settle`` seconds (once at
-    least), then ``block`` counted calls in a row. Blocks time each function in its own
-    steady state (its data in the caches, its threads awake) and keep a function's aftermath
-    out of the next one's times: onnxruntime's idle threads spin for a while after each run,
-    taking the cores from whatever runs next (measured: a 1.6 ms call ran at 2.1 ms for the
-    first 10 ms after onnxruntime's runs)."""
+    """Each function called ``warmup`` times (not counted), then all in turn ``repeat`` times,
+    in a new order each turn (shuffled, the same shuffles every time: none always runs right
+    after another): with ``block`` > 1, each turn first calls it uncounted for ``settle``
+    seconds (once at least), then ``block`` counted calls in a row. Blocks time each function
+    in its own steady state (its data in the caches, its threads awake) and keep a function's
+    aftermath out of the next one's times: onnxruntime's idle threads spin for a while after
+    each run, taking the cores from whatever runs next (measured: a 1.6 ms call ran at 2.1 ms
+    for the first 10 ms after onnxruntime's runs; in a fixed order of seven, the kit's
+    session of a 540x960 convolution, always right after onnxruntime's, timed 0.92x of it,
+    and 1.00x in turns of the two)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    shuffles = random.Random(0)
     for _ in range(max(1, repeat)):
-        for name, fn in fns.items():
+        shuffles.shuffle(order)
+        for name, fn in order:
             if block > 1:
                 lead = time.perf_counter() + settle
                 fn()

@@ -8,9 +8,10 @@ outputs), :class:`DirectStep` makes the runs after the first as that segment's o
 callback machinery or binding between, the outputs' memory onnxruntime's (kept by its
 allocator between runs). The session is the one the first run's call used (recorded by the
 session's :class:`~.delegated.Delegation`), so what it computes is what the program
-computed. Measured (2 cores, interleaved with onnxruntime's own session of the model, medians):
-MNIST's 1->32 k5 convolution at batch 1, 27.5 against 20-25 microseconds a run through the
-segment's binding (onnxruntime alone 17-20); at batch 32 about 330 against 290 (onnxruntime 270).
+computed. Measured (2 cores, in turns with onnxruntime's own session of the model, medians),
+against the same call made through the segment's binding: MNIST's 1->32 k5 convolution at
+batch 1, 26-28 against 41-44 microseconds a run (onnxruntime alone 21-22); at batch 32, 298
+against 385-438 (onnxruntime 270-276).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class DirectStep:
         self._weights = [(name, shape, fed) for (kind, name, shape), fed in feeds
                          if kind == "weights"]
         self._outputs = list(segment.outputs)
-        self._anchors = [(anchor, shape) for anchor, shape, _ in results]
+        self._anchors = [(anchor, None if tuple(shape) == tuple(called) else shape)
+                         for anchor, shape, called in results]  # None: as onnxruntime gives
         self._state: Any = None  # the weights mapping the session is for
         self._session: Any = None
         self._fed: dict[str, np.ndarray] = {}  # weights the session reads as inputs
@@ -69,9 +71,12 @@ class DirectStep:
             self._use(weights)
         feeds = dict(self._fed)
         for name, shape, fed in self._inputs:
-            feeds[fed] = np.ascontiguousarray(inputs[name], dtypes[name]).reshape(shape)
+            array = inputs[name]  # C-contiguous (StepIOFactory.check_inputs)
+            if array.dtype != dtypes[name]:
+                array = array.astype(dtypes[name])
+            feeds[fed] = array if array.shape == shape else array.reshape(shape)
         outs = self._session.run(self._outputs, feeds)
-        return {anchor: out.reshape(shape)
+        return {anchor: out if shape is None else out.reshape(shape)
                 for (anchor, shape), out in zip(self._anchors, outs, strict=True)}
 
 
