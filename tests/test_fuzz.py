@@ -21,6 +21,7 @@ from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 import popart_kit as pk
+from popart_kit._model import index_check
 from popart_kit._model.checks import check_model
 from popart_kit._model.index_check import IndexChecks, IndexRange
 
@@ -264,12 +265,15 @@ def test_batches_never_turn_a_value_infinite(values):
 @fuzz("arrays")
 @given(values=st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=8),
        dtype=st.sampled_from(["<i4", ">i4", "<i8", ">i8", "<u4", ">u2", "|i1", "|u1"]),
-       size=st.integers(1, 300), negative=st.booleans())
+       size=st.integers(1, 300), negative=st.booleans(), large=st.booleans())
 def test_an_index_is_refused_exactly_when_it_lies_outside_its_range(values, dtype, size,
-                                                                   negative):
-    """Whatever the integer type and byte order: refused iff a value is outside low..size-1."""
+                                                                   negative, large):
+    """Whatever the integer type, byte order and length (a small array and a large one are
+    reduced differently): refused iff a value is outside low..size-1."""
     info = np.iinfo(np.dtype(dtype))
     array = np.array([min(max(v, info.min), info.max) for v in values], dtype=dtype)
+    if large:
+        array = np.resize(array, index_check.SMALL + 7).astype(dtype)
     low = -size if negative else 0
     checks = IndexChecks([IndexRange("i", "g", size, low)], narrows=False)
     outside = any(not low <= int(v) < size for v in array)
