@@ -598,7 +598,7 @@ def test_a_direct_step_is_made_only_when_the_first_run_agrees_with_the_program()
     parameters = [("weights", "w", (8,)), ("inputs", "x", (1, 2, 4)), ("slots", "y", (1, 8))]
     outputs = {"y": jax.ShapeDtypeStruct((1, 8), np.float32)}
 
-    call = SegmentCall(None, ("x", "w"), ("y",), (False, True), ())
+    call = SegmentCall(None, ("x", "w"), ("y",), ())
     good = [(call, [((2, 4), 0), ((8,), w.unsafe_buffer_pointer())], [(8,)])]
     made = direct_step(shape, good, parameters, {"w": w}, outputs, {"y": (8,)})
     assert made is not None and [op[:2] for op in made.operands] == [("inputs", "x"),

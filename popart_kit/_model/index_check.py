@@ -171,10 +171,10 @@ def narrowing_problems(kind: str, arrays: Mapping[str, Any]) -> list[Problem]:
     return out
 
 
-#: Index arrays up to this many values are reduced by Python's ``max``: right after a
-#: compiled step has run, numpy's reduction machinery is out of the CPU's caches and one
-#: ``array.max()`` of a 32-label batch cost about 26 microseconds a run, Python's ``max`` of
-#: its values about 6 (a training step at bps 1, 2 cores).
+#: Index arrays up to this many values are reduced by Python's ``min`` and ``max``: right
+#: after a compiled step has run, numpy's reduction machinery is out of the CPU's caches and
+#: one ``array.max()`` of a 32-label batch cost about 26 microseconds a run, Python's ``max``
+#: of its values about 6 (a training step at bps 1, 2 cores).
 SMALL = 256
 
 

@@ -169,14 +169,13 @@ class Delegation:
 
 @dataclass(frozen=True)
 class SegmentCall:
-    """What one segment call runs: ``plan``'s sessions, fed the operands ``names`` (weights
-    where ``kinds`` is true) and writing ``outputs``, once per index of ``loops`` (the
-    leading axes of its batched operands; ``()``: one run)."""
+    """What one segment call runs: ``plan``'s sessions, fed the operands ``names`` and
+    writing ``outputs``, once per index of ``loops`` (the leading axes of its batched
+    operands; ``()``: one run)."""
 
     plan: _Plan
     names: tuple[str, ...]
     outputs: tuple[str, ...]
-    kinds: tuple[bool, ...]
     loops: tuple[int, ...]
 
 
@@ -397,7 +396,7 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
     results = [jax.ShapeDtypeStruct((*loops, *t.shape), t.dtype) for t in types]
 
     last: list[Any] = [None, None]  # the last single run's (buffer addresses, binding)
-    called = SegmentCall(plan, tuple(names), tuple(outputs), tuple(kinds), loops)
+    called = SegmentCall(plan, tuple(names), tuple(outputs), loops)
 
     def run(ctx: Any, outs: Any, *ins: Any) -> None:
         arrays = [np.asarray(a) for a in ins]
