@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import _popart_relu
+from .ops import _popart_relu, relu_gradient
 
 __all__ = ["ACTIVATIONS", "NCHWC", "available", "block_size", "conv",
            "layout_for", "options", "session_for"]
@@ -53,15 +53,10 @@ NCHWC = "com.microsoft.nchwc"
 Key = tuple  # (x shape, w shape, bias, strides, pads, dilations, group, activation)
 
 
-def _relu_gradient(y: Any, dy: Any) -> Any:
-    """PopART's Relu gradient (popnn's: 0 where the input is <= 0) read from Relu's output."""
-    return jnp.where(y <= 0, jnp.zeros((), dy.dtype), dy)
-
-
 #: Activations MLAS applies to a convolution's output: name -> (the activation, as the xla
 #: backend computes it; its gradient from its output ``y`` and the output's gradient ``dy``).
 ACTIVATIONS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
-    "Relu": (_popart_relu, _relu_gradient),
+    "Relu": (_popart_relu, relu_gradient),
 }
 
 

@@ -319,9 +319,22 @@ def _softplus(x: Any) -> Any:
 # -- PopART's own arithmetic where it departs from the ONNX formula or from autodiff; each
 #    departure, with the PopART source it follows, is listed in operator_docs.DEPARTURES ------
 
+@jax.custom_jvp
 def _popart_relu(x: Any) -> Any:
-    """popnn's RELU: its gradient is 0 at x = 0 (``maximum`` would give 0.5); NaN passes."""
+    """popnn's RELU: its gradient is 0 at x = 0 (``maximum`` would give 0.5); NaN passes.
+    The gradient reads the output, as PopART's ReluGradOp does (:func:`relu_gradient`)."""
     return jnp.where(x <= 0, jnp.zeros((), x.dtype), x)
+
+
+def relu_gradient(y: Any, dy: Any) -> Any:
+    """Relu's gradient from its output ``y``: 0 where the input was <= 0 (exactly where ``y``
+    is), ``dy`` elsewhere, NaN included. Read from the output, which the next operator keeps
+    for its own gradient anyway, the input need not outlive the forward pass: a step holds
+    one activation per Relu, not two."""
+    return jnp.where(y <= 0, jnp.zeros((), dy.dtype), dy)
+
+
+_popart_relu.defjvps(lambda dx, y, x: relu_gradient(y, dx))
 
 
 @jax.custom_vjp
