@@ -172,8 +172,8 @@ class _Session:
             raise DataTypeError(f"run: inputs must map input names to numpy arrays, got "
                                 f"{type(inputs).__name__}.", rule="K-stepio-type")
         backend = self._backend
-        if self._indices is not None:  # the layout first (once per layout), then the values
-            backend.io.check_inputs(inputs)
+        backend.io.check_inputs(inputs)  # the layout (in full once per layout), the one check
+        if self._indices is not None:  # then the values
             self._indices.check(inputs)
         return backend.run(inputs) if copy else backend.run(inputs, copy=False)
 

@@ -439,11 +439,10 @@ class XlaBackend:
 
     def run(self, inputs: Mapping[str, np.ndarray], *,
             copy: bool = True) -> dict[str, np.ndarray]:
-        """One step by the executor, every executor's wrapped alike: the inputs checked (in
-        full once per input layout, see ``StepIOFactory.check_inputs``), the session locked,
-        the run profiled and its peers watched where that is asked for; its result checked,
-        then committed in one assignment (an exception anywhere leaves the session as it
-        was).
+        """One step by the executor, every executor's wrapped alike, of inputs the session
+        checked (``StepIOFactory.check_inputs``): the session locked, the run profiled and its
+        peers watched where that is asked for; its result checked, then committed in one
+        assignment (an exception anywhere leaves the session as it was).
 
         The anchors are writable arrays of their own (no two live ones share memory): on one
         CPU device a large one is the run's own result buffer (:mod:`.anchor_memory`), the
@@ -451,7 +450,6 @@ class XlaBackend:
         device's memory is the host's (CPU), for a caller that copies them on itself (PopART's
         PyStepIO writes into the user's arrays). A run made as one onnxruntime call from the
         host (:mod:`.direct`) gives arrays of its own either way."""
-        self.io.check_inputs(inputs)
         with self._lock:
             if not self.prepared:
                 self.prepare()
