@@ -168,7 +168,7 @@ class _Session:
     def _run(self, inputs: Mapping[str, np.ndarray], copy: bool = True) -> dict[str, np.ndarray]:
         """``run``; ``copy=False`` (xla backend) may give read-only views of the run's device
         buffers, for a caller that copies them into arrays of its own (PopART's PyStepIO)."""
-        if not isinstance(inputs, Mapping):
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise DataTypeError(f"run: inputs must map input names to numpy arrays, got "
                                 f"{type(inputs).__name__}.", rule="K-stepio-type")
         backend = self._backend
