@@ -14,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -270,13 +271,15 @@ def test_mlas_matches_onnxruntime_and_xla(case, bias):
     np.testing.assert_allclose(got, np.asarray(jax.jit(xla)(*args)), rtol=1e-5, atol=2e-5)
 
 
-def test_lowering_chooses_mlas_for_large_float32_convolutions_only():
-    """A ResNet 3x3 layer: "mlas" at float32 (and through the lowered model, where its result
-    is onnxruntime's); its XLA lowering at float16, for small ones (by the thresholds of their
-    kind: few input channels, 1x1, dense) and depthwise."""
+def test_lowering_chooses_mlas_for_large_float_convolutions_only():
+    """A ResNet 3x3 layer: "mlas" at float32 and in half precision (and through the lowered
+    model, where its result is onnxruntime's); its XLA lowering where no dtype is given, for
+    small ones (by the thresholds of their kind: few input channels, 1x1, dense) and
+    depthwise."""
     big = ((8, 64, 56, 56), (64, 64, 3, 3), 1)
     assert lowering_for(*big, np.float32) == "mlas"
-    assert lowering_for(*big, np.float16) == lowering_for(*big) == "channels_last"
+    assert lowering_for(*big, np.float16) == "mlas"
+    assert lowering_for(*big, ml_dtypes.bfloat16) == lowering_for(*big) == "channels_last"
     assert lowering_for((8, 256, 14, 14), (256, 256, 1, 1), 1, np.float32) == "mlas"
     assert lowering_for((1, 512, 7, 7), (512, 512, 1, 1), 1, np.float32) == "channels_last"
     assert lowering_for((8, 3, 32, 32), (16, 3, 3, 3), 1, np.float32) == "mlas"
@@ -414,7 +417,7 @@ def fused_types(graph, wanted):
 
 def mlas_key(x_shape, activation, w_shape=W):
     """conv_mlas's session key for conv_relu_model's Conv (3x3, pads 1, bias)."""
-    return (x_shape, w_shape, True, (1, 1), ((1, 1), (1, 1)), (1, 1), 1, activation)
+    return (x_shape, w_shape, True, (1, 1), ((1, 1), (1, 1)), (1, 1), 1, activation, "float32")
 
 
 def apart(model):
@@ -533,19 +536,58 @@ def test_conv_relu_not_fused_where_the_conv_output_is_wanted_or_read_elsewhere(s
     assert fused_types(lower(as_output), ["y"]) == ["Conv", "Relu"]
 
 
-@pytest.mark.parametrize("kind", ["small", "float16", "1x1"])
+@pytest.mark.parametrize("kind", ["small", "1x1"])
 def test_conv_relu_other_lowerings_run_apart(kind):
     """A Conv that does not take the "mlas" lowering: the fused node declines and the Conv and
     Relu run as ever (XLA fuses the Relu itself), the same values as unfused."""
-    shapes = {"small": (X, W), "float16": ((2, 32, 64, 64), (32, 32, 3, 3)),
-              "1x1": ((1, 512, 7, 7), (512, 512, 1, 1))}[kind]
-    dtype = np.float16 if kind == "float16" else np.float32
-    assert lowering_for(*shapes, 1, dtype) != "mlas"
-    model = conv_relu_model(*shapes, dtype=dtype)
-    feeds = feeds_for(model, dtype)
+    shapes = {"small": (X, W), "1x1": ((1, 512, 7, 7), (512, 512, 1, 1))}[kind]
+    assert lowering_for(*shapes, 1, np.float32) != "mlas"
+    model = conv_relu_model(*shapes)
+    feeds = feeds_for(model)
     graph = lower(model)
     assert fused_types(graph, ["y"]) == ["Conv+Relu"]  # decided when traced, by the lowering
     text = str(jax.make_jaxpr(lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
     assert "buffer_callback" not in text
     np.testing.assert_array_equal(evaluate(graph, feeds)["y"],
                                   evaluate(apart(model), feeds)["y"])
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_convolutions_by_mlas_round_once_then_add_the_bias_in_half(small_mlas, bias, relu):
+    """A float16 Conv taking "mlas" runs MLAS in float32 on the exactly converted operands and
+    rounds its sum once to half; a bias is then added in half, as the XLA lowering adds it
+    (the Relu fused into MLAS only without one). The gradient is the XLA lowering's, bit for
+    bit."""
+    if relu:
+        model = conv_relu_model(dtype=np.float16)
+        if not bias:
+            model.graph.node[0].input.pop()
+            model.graph.input.pop()
+    else:
+        model = conv_model(X, W, bias=bias, dtype=np.float16, pads=[1] * 4)
+    feeds = feeds_for(model, np.float16)
+    graph = lower(model)
+    text = str(jax.make_jaxpr(lambda f: graph.evaluate({}, f, ["y"])["y"])(feeds))
+    assert "buffer_callback" in text
+    got = np.asarray(evaluate(graph, feeds)["y"])
+    assert got.dtype == np.float16
+    plain = conv_model(X, W, pads=[1] * 4)
+    want = run_ort(plain, {"x": feeds["x"].astype(np.float32),
+                           "w": feeds["w"].astype(np.float32)}).astype(np.float16)
+    if bias:
+        want = want + feeds["b"].reshape(-1, 1, 1)
+    if relu:
+        want = np.maximum(want, np.float16(0))
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3,
+                               atol=2e-3)  # each rounding's last bit, summed in any order
+
+    def gradient(graph):
+        return jax.jit(jax.grad(lambda x: graph.evaluate(
+            {}, {**feeds, "x": x}, ["y"])["y"].astype(jnp.float32).sum()))(feeds["x"])
+
+    if not relu:  # the Relu's gradient reads the output, whose last bits may differ
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(conv_mlas, "available", lambda: False)
+            xla = lower(model)
+        np.testing.assert_array_equal(np.asarray(gradient(graph)), np.asarray(gradient(xla)))

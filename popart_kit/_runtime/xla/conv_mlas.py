@@ -1,12 +1,15 @@
-"""A float32 convolution on the CPU through onnxruntime's MLAS kernels, inside an XLA program.
+"""A float32 or float16 convolution on the CPU through onnxruntime's MLAS kernels, inside an
+XLA program.
 
 One onnxruntime session per convolution (shapes, attributes, bias or not; :func:`session_for`)
 holds one Conv, in MLAS's channel-blocked layout (onnxruntime's ``com.microsoft.nchwc`` Conv
 between ReorderInput / ReorderOutput, as its graph optimizer makes of a Conv with constant
 weights; :func:`layout_for`) with the filter reordered by XLA (:func:`_reorder`), or a plain
-ONNX Conv where that layout does not apply. JAX's ``buffer_callback`` (jax.experimental) hands
-the session XLA's input buffers and the output buffer to write in place (an ``io_binding`` per
-call: no copies, and concurrent calls from pipeline threads each bind their own). Sessions are
+ONNX Conv where that layout does not apply; a float16 one between Casts to float32 and back
+(onnxruntime's own way on the CPU: it has no float16 convolution there). JAX's
+``buffer_callback`` (jax.experimental) hands the session XLA's input buffers and the output
+buffer to write in place (an ``io_binding`` per call: no copies, and concurrent calls from
+pipeline threads each bind their own). Sessions are
 made once, under a lock, with one intra-op thread per CPU the process may use and spinning off
 (:func:`options`). See ops_conv.py for when it is chosen and what was measured.
 
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import _popart_relu, relu_gradient
+from .ops import _channel_bias, _popart_relu, relu_gradient
 
 __all__ = ["ACTIVATIONS", "NCHWC", "available", "block_size", "conv",
            "layout_for", "options", "session_for"]
@@ -50,7 +53,7 @@ _LOCK = threading.Lock()
 #: onnxruntime's domain of MLAS's channel-blocked (NCHWc) kernels.
 NCHWC = "com.microsoft.nchwc"
 
-Key = tuple  # (x shape, w shape, bias, strides, pads, dilations, group, activation)
+Key = tuple  # (x shape, w shape, bias, strides, pads, dilations, group, activation, x dtype)
 
 
 #: Activations MLAS applies to a convolution's output: name -> (the activation, as the xla
@@ -171,8 +174,9 @@ def _make_session(key: Key) -> Any:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    x_shape, w_shape, bias, strides, pads, dilations, group, activation = key
+    x_shape, w_shape, bias, strides, pads, dilations, group, activation, dtype = key
     layout = layout_for(w_shape, group)
+    half = dtype == "float16"  # converted to float32 and back by the session's Casts
     names = ["x", "w"] + (["b"] if bias else [])
     attrs = dict(strides=list(strides), pads=[lo for lo, _ in pads] + [hi for _, hi in pads],
                  dilations=list(dilations), group=group)
@@ -182,22 +186,28 @@ def _make_session(key: Key) -> Any:
                                 jax.ShapeDtypeStruct(w_shape, np.float32),
                                 jax.ShapeDtypeStruct((w_shape[0],), np.float32))
     shapes = [x_shape, w_in.shape] + ([b_in.shape] if bias else [])
+    x, y = ("x32", "y32") if half else ("x", "y")
     if layout == "nchw":
-        nodes = [helper.make_node("FusedConv", names, ["y"], domain="com.microsoft", **attrs)
-                 if activation else helper.make_node("Conv", names, ["y"], **attrs)]
+        inputs = [x, *names[1:]]
+        nodes = [helper.make_node("FusedConv", inputs, [y], domain="com.microsoft", **attrs)
+                 if activation else helper.make_node("Conv", inputs, [y], **attrs)]
     else:
         reordered = layout == "nchwc" or group > 1
-        first = ["xc" if reordered else "x"] + names[1:]
-        nodes = ([helper.make_node("ReorderInput", ["x"], ["xc"], domain=NCHWC)]
+        first = ["xc" if reordered else x] + names[1:]
+        nodes = ([helper.make_node("ReorderInput", [x], ["xc"], domain=NCHWC)]
                  if reordered else [])
         nodes += [helper.make_node("Conv", first, ["yc"], domain=NCHWC, **attrs),
-                  helper.make_node("ReorderOutput", ["yc"], ["y"], domain=NCHWC,
+                  helper.make_node("ReorderOutput", ["yc"], [y], domain=NCHWC,
                                    channels=w_shape[0])]
+    elem = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    if half:
+        nodes = [helper.make_node("Cast", ["x"], [x], to=TensorProto.FLOAT), *nodes,
+                 helper.make_node("Cast", [y], ["y"], to=elem)]
     graph = helper.make_graph(
         nodes, "conv",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s))
+        [helper.make_tensor_value_info(n, elem if n == "x" else TensorProto.FLOAT, list(s))
          for n, s in zip(names, shapes, strict=True)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        [helper.make_tensor_value_info("y", elem, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11),
                                                     helper.make_opsetid(NCHWC, 1),
                                                     helper.make_opsetid("com.microsoft", 1)])
@@ -206,7 +216,7 @@ def _make_session(key: Key) -> Any:
 
 
 def _out_shape(key: Key) -> tuple[int, ...]:
-    x_shape, w_shape, _, strides, pads, dilations, _, _ = key
+    x_shape, w_shape, _, strides, pads, dilations, _, _, _ = key
     out = [(s + lo + hi - (k - 1) * d - 1) // st + 1 for s, k, (lo, hi), d, st
            in zip(x_shape[2:], w_shape[2:], pads, dilations, strides, strict=True)]
     return (x_shape[0], w_shape[0], *out)
@@ -221,7 +231,7 @@ def _callback(key: Key) -> Callable[..., None]:
         if b:
             binding.bind_cpu_input("b", np.asarray(b[0]))
         y = np.asarray(out)
-        binding.bind_output("y", "cpu", 0, np.float32, list(y.shape), y.ctypes.data)
+        binding.bind_output("y", "cpu", 0, y.dtype, list(y.shape), y.ctypes.data)
         session.run_with_iobinding(binding)
     return run
 
@@ -233,14 +243,14 @@ def _forward(x: Any, w: Any, b: Any, strides: tuple, pads: tuple, dilations: tup
     from jax.experimental.buffer_callback import buffer_callback
 
     key = (tuple(x.shape), tuple(w.shape), b is not None, strides, pads, dilations, group,
-           activation)
+           activation, np.dtype(x.dtype).name)
     args = (x, w) if b is None else (x, w, b)
 
     @jax.custom_batching.custom_vmap
     def call(*args: Any) -> Any:
         x, w, *rest = args
         w, b = _reorder(w, rest[0] if rest else None, layout_for(w.shape, group))
-        shape = jax.ShapeDtypeStruct(_out_shape(key), np.float32)
+        shape = jax.ShapeDtypeStruct(_out_shape(key), x.dtype)
         return buffer_callback(_callback(key), shape)(*((x, w) if b is None else (x, w, b)))
 
     @call.def_vmap
@@ -260,10 +270,12 @@ def _forward(x: Any, w: Any, b: Any, strides: tuple, pads: tuple, dilations: tup
 def conv(x: Any, w: Any, b: Any, strides: Sequence[int], pads: Sequence[tuple[int, int]],
          dilations: Sequence[int], group: int, xla: Callable[[Any, Any, Any], Any],
          activation: str | None = None) -> Any:
-    """``xla(x, w, b)`` (a float32 NCHW convolution with bias ``b`` or None), then
-    ``activation`` (a name in :data:`ACTIVATIONS`, or None), computed by MLAS where lowered for
-    the CPU, differentiated as ``xla`` followed by the activation (the activation's gradient
-    read from the output, then ``xla``'s backward)."""
+    """``xla(x, w, b)`` (an NCHW convolution with bias ``b`` or None), then ``activation`` (a
+    name in :data:`ACTIVATIONS`, or None), computed by MLAS where lowered for the CPU,
+    differentiated as ``xla`` followed by the activation (the activation's gradient read from
+    the output, then ``xla``'s backward). Half-precision operands are convolved in float32 (they
+    convert exactly; the sum rounds once to their type, as a convolution of float partials
+    does), then the bias and activation follow in their type, as ``xla`` adds them."""
     strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
     pads = tuple((int(lo), int(hi)) for lo, hi in pads)
     after, gradient = ACTIVATIONS[activation] if activation else (None, None)
@@ -272,13 +284,27 @@ def conv(x: Any, w: Any, b: Any, strides: Sequence[int], pads: Sequence[tuple[in
         y = xla(x, w, b)
         return y if after is None else after(y)
 
+    def on_cpu(x: Any, w: Any, b: Any) -> Any:
+        if x.dtype == jnp.float32:
+            return _forward(x, w, b, strides, pads, dilations, group, whole, activation)
+        half = w.dtype
+        fused = activation if b is None else None  # a bias is added after the rounding
+
+        def apart(x: Any, w: Any, b: Any = None) -> Any:  # XLA's, for what vmap cannot fold
+            y = xla(x, w.astype(half), None)
+            return y if fused is None else after(y)
+
+        y = _forward(x, w.astype(jnp.float32), None, strides, pads, dilations, group, apart,
+                     fused)
+        if b is not None:
+            y = _channel_bias(y, b)
+            y = y if after is None else after(y)
+        return y
+
     def forward(*args: Any) -> Any:
         x, w, *rest = args
         b = rest[0] if rest else None
-        return lax.platform_dependent(
-            x, w, b, default=whole,
-            cpu=lambda x, w, b: _forward(x, w, b, strides, pads, dilations, group, whole,
-                                         activation))
+        return lax.platform_dependent(x, w, b, default=whole, cpu=on_cpu)
 
     @jax.custom_vjp
     def fn(*args: Any) -> Any:

@@ -29,34 +29,39 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
   forward rule is XLA's): the multiply-adds' weight gradient, reduced over the batch, is 5-10x
   slower than XLA's, and XLA's gradient after the multiply-adds' forward 2x.
 
-* ``mlas``: onnxruntime's MLAS convolution (:mod:`.conv_mlas`), float32 on the CPU only, where
+* ``mlas``: onnxruntime's MLAS convolution (:mod:`.conv_mlas`), float32 and float16 on the
+  CPU only, where
   :func:`mlas_wins`: a one-Conv onnxruntime session per shape, run inside the XLA program by
   ``jax.experimental.buffer_callback`` on XLA's own buffers (``io_binding``: no copies), in
   MLAS's channel-blocked (NCHWc) layout as onnxruntime's graph optimizer would choose for
   constant weights (the filter reordered by XLA each call: the weights are run inputs; with
   weights as plain run inputs instead, MLAS's NCHW path measured 1.5-2x slower on the ResNet
-  3x3). Its gradient is the XLA lowering's (:func:`xla_lowering_for`; a custom_vjp); half
-  precision and other platforms (:func:`jax.lax.platform_dependent`) run XLA's lowering. Under
-  vmap the batch folds into N. Measured (fp32 Conv+Relu, medians and fastest of interleaved
-  calls, load average 4-7): 4->64 k4 s2 at 540x960 and the 3->64 7x7 s2 ResNet stem 2-3x XLA;
-  3x3 64->64 at 56x56 batch 8 1.2-1.5x; 3x3 512->512 at 7x7 batch 8 1.1-1.2x; grouped 3x3
-  (32 groups of 4 channels) 2-3.5x ``split``. Timed in blocks of calls (each in its own
-  steady state, as ``pk.bench.interleaved(block=)``; load 1.7-1.9), dense convolutions of few
-  input channels and 1x1 ones gain too: 3->16 3x3 at 32x32 batch 8-32 1.3-4x, 3->32 5x5 at
-  64x64 batch 4 3x, 4->8 and 8->16 3x3 1.1-1.4x (from :data:`MLAS_MIN_FEW_CHANNELS_WORK`;
-  3->16 at batch 1, 2^19 multiply-adds: 0.6-0.75x); 1x1 64->256 at 56x56 2.8-3.5x, 256->256
-  at 14x14 batch 8 1.4x, 64->64 at 28x28 batch 8 1.3-1.45x (from
-  :data:`MLAS_MIN_POINTWISE_WORK`; 512->512 at 7x7, 2^23.6: 0.8-0.9x). Not chosen:
-  convolutions under :data:`MLAS_MIN_WORK` multiply-adds of 16 input channels or more (3x3
-  32->32 at 16x16: 0.75-0.8x, 16->32 at 16x16 batch 32: 0.9-1.0x, the callback's fixed
-  tens of microseconds),
-  grouped ones of 16 or more channels per group (0.65-1.1x ``split``), ``shifted`` ones
-  (depthwise 3x3 at 28x28x128 batch 8: 0.3-0.6x; MNIST's 1->32 k5: 0.2-0.9x), 1-D and 3-D
+  3x3). Its gradient is the XLA lowering's (:func:`xla_lowering_for`; a custom_vjp); other
+  platforms (:func:`jax.lax.platform_dependent`) and bfloat16 run XLA's lowering. Under
+  vmap the batch folds into N. Float16 is convolved in float32 between Casts in the onnxruntime
+  session and rounded once (XLA:CPU's half convolution upcasts too, whatever the partials type, so
+  the values are those of the XLA lowering), the bias then added in half by XLA as that lowering
+  adds it; fp16 forward rows of conv_bench against the XLA lowering (load 1.1-3): 4->64 k4 s2 at
+  540x960 45 -> 9 ms, ResNet 3x3 15 -> 6 ms, 1x1 256->256 at 14x14 2.2 -> 1.3 ms, grouped 3x3 10
+  -> 2.2 ms (onnxruntime's own float16 session: 7.6, 5.6, 0.7, 1.7 ms; it casts the same way).
+  Measured (fp32 Conv+Relu, medians and fastest of interleaved calls, load average 4-7): 4->64 k4
+  s2 at 540x960 and the 3->64 7x7 s2 ResNet stem 2-3x XLA; 3x3 64->64 at 56x56 batch 8 1.2-1.5x;
+  3x3 512->512 at 7x7 batch 8 1.1-1.2x; grouped 3x3 (32 groups of 4 channels) 2-3.5x ``split``.
+  Timed in blocks of calls (each in its own steady state, as ``pk.bench.interleaved(block=)``;
+  load 1.7-1.9), dense convolutions of few input channels and 1x1 ones gain too: 3->16 3x3 at
+  32x32 batch 8-32 1.3-4x, 3->32 5x5 at 64x64 batch 4 3x, 4->8 and 8->16 3x3 1.1-1.4x (from
+  :data:`MLAS_MIN_FEW_CHANNELS_WORK`; 3->16 at batch 1, 2^19 multiply-adds: 0.6-0.75x); 1x1
+  64->256 at 56x56 2.8-3.5x, 256->256 at 14x14 batch 8 1.4x, 64->64 at 28x28 batch 8 1.3-1.45x
+  (from :data:`MLAS_MIN_POINTWISE_WORK`; 512->512 at 7x7, 2^23.6: 0.8-0.9x). Not chosen:
+  convolutions under :data:`MLAS_MIN_WORK` multiply-adds of 16 input channels or more (3x3 32->32
+  at 16x16: 0.75-0.8x, 16->32 at 16x16 batch 32: 0.9-1.0x, the callback's fixed tens of
+  microseconds), grouped ones of 16 or more channels per group (0.65-1.1x ``split``), ``shifted``
+  ones (depthwise 3x3 at 28x28x128 batch 8: 0.3-0.6x; MNIST's 1->32 k5: 0.2-0.9x), 1-D and 3-D
   (not measured). A Conv whose only reader is a Relu runs with MLAS's Relu in the same call (not
-  inside a pipeline stage, whose every output is kept)
-  (:func:`conv_relu`, lowering.py's ``FUSIONS``; onnxruntime fuses them alike): against the
-  Relu as a pass over MLAS's output, 4->64 k4 s2 1.15-1.25x raw and 1.4-2x through a session,
-  the ResNet 3x3 about even to 1.1x, grouped 1.0-1.4x; its gradient unchanged (about even).
+  inside a pipeline stage, whose every output is kept) (:func:`conv_relu`, lowering.py's
+  ``FUSIONS``; onnxruntime fuses them alike): against the Relu as a pass over MLAS's output, 4->64
+  k4 s2 1.15-1.25x raw and 1.4-2x through a session, the ResNet 3x3 about even to 1.1x, grouped
+  1.0-1.4x; its gradient unchanged (about even).
   What stays between the kit and onnxruntime there: the filter reorder.
   onnxruntime's intra-op threads: one per CPU the process may use (XLA's pool's size; one
   thread was 1.5-5x slower on the larger rows), spinning off (spinning threads fought XLA's:
@@ -68,7 +73,8 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
 In an inference session on one CPU device, a float32 convolution is mostly not lowered here
 at all: it runs inside an onnxruntime session with its neighbours (:mod:`.delegated`), which
 holds the weights as constants and so reorders the filter once. What this module chooses
-runs in training, in half precision and wherever a segment is not delegated.
+runs in training, in half precision (segments are float32) and wherever a segment is not
+delegated.
 
 Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
 convolution but for 1x1, where it is even); space-to-depth for the strided 4x4 kernel (no
@@ -124,11 +130,11 @@ MLAS_MAX_GROUP_CHANNELS = 16
 
 def lowering_for(x_shape: Sequence[int], w_shape: Sequence[int], group: int,
                  dtype: Any = None) -> str:
-    """The lowering a Conv of these shapes takes on the CPU: ``"mlas"`` for float32 ``dtype``
-    where :func:`mlas_wins` and onnxruntime is available (:func:`conv_mlas.available`), else
-    :func:`xla_lowering_for`'s."""
-    if (dtype is not None and np.dtype(dtype) == np.float32 and mlas_wins(x_shape, w_shape, group)
-            and conv_mlas.available()):
+    """The lowering a Conv of these shapes takes on the CPU: ``"mlas"`` for a float32 or
+    float16 ``dtype`` (float16 computed in float32) where :func:`mlas_wins` and onnxruntime is
+    available (:func:`conv_mlas.available`), else :func:`xla_lowering_for`'s."""
+    if (dtype is not None and np.dtype(dtype) in (np.float32, np.float16)
+            and mlas_wins(x_shape, w_shape, group) and conv_mlas.available()):
         return "mlas"
     return xla_lowering_for(x_shape, w_shape, group)
 
