@@ -591,3 +591,24 @@ def test_half_convolutions_by_mlas_round_once_then_add_the_bias_in_half(small_ml
             patch.setattr(conv_mlas, "available", lambda: False)
             xla = lower(model)
         np.testing.assert_array_equal(np.asarray(gradient(graph)), np.asarray(gradient(xla)))
+
+
+def test_a_half_conv_relu_in_an_inference_session_is_one_mlas_call(small_mlas):
+    """In an inference session that delegates segments to onnxruntime (float32 only), a
+    float16 Conv and its Relu are computed by XLA's lowering as any other pair is: one MLAS
+    call with its Relu (no pass over the output after it), the values the pair's apart."""
+    import popart_kit as pk
+
+    model = conv_relu_model(dtype=np.float16)
+    model.graph.node[0].input.pop()  # no bias: the Relu joins MLAS's call
+    model.graph.input.pop()
+    feeds = feeds_for(model, np.float16)
+    key = (X, W, False, (1, 1), ((1, 1), (1, 1)), (1, 1), 1, "Relu", "float16")
+    conv_mlas._SESSIONS.pop(key, None)
+    sess = pk.InferenceSession(model, pk.SessionConfig(
+        mode="inference", batches_per_step=1, device={"target": "offline"}),
+        anchors={"y": "All"}, backend="xla")
+    got = sess.run(feeds)["y"]
+    assert sess.runtime.graph.delegation is not None and sess.runtime._direct is None
+    assert key in conv_mlas._SESSIONS  # MLAS's Relu ran
+    np.testing.assert_array_equal(got, np.asarray(evaluate(apart(model), feeds)["y"]))

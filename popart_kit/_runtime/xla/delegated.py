@@ -215,8 +215,11 @@ class _Plan:
 class Segment:
     """The operator of a delegated segment: ``nodes`` (onnx NodeProtos, in order, with their
     PopART-only attributes dropped) reading ``reads`` and giving ``outputs``; ``weights``: the
-    reads that are weights; ``xla(args)`` computes every tensor of the segment the XLA way
-    (each node's lowering, in turn) from the reads' values, by name."""
+    reads that are weights; ``xla(args, alone)`` computes the tensors of the segment the XLA
+    way from the reads' values, by name: each node's lowering in turn (``alone`` False: XLA's
+    side of a delegated call, holding no callback of its own), or with the lowering's fused
+    pairs (``alone``: the segment computed by XLA instead of onnxruntime, as the lowering
+    computes any other node)."""
 
     def __init__(self, name: str, nodes: list[Any], reads: Sequence[str],
                  outputs: Sequence[str], weights: set[str], opset: int,
@@ -230,15 +233,15 @@ class Segment:
         traced = [i for i, a in enumerate(args) if a is not None and not isinstance(a, np.ndarray)]
         constants = {self.reads[i]: a for i, a in enumerate(args) if isinstance(a, np.ndarray)}
 
-        def every(*values: Any) -> dict[str, Any]:  # every tensor of the segment, by XLA
+        def every(*values: Any, alone: bool = False) -> dict[str, Any]:  # by XLA
             full = list(args)
             for i, v in zip(traced, values, strict=True):
                 full[i] = v
-            return self._xla(full)
+            return self._xla(full, alone)
 
         values = [args[i] for i in traced]
         if any(np.dtype(v.dtype) != np.float32 for v in values):
-            return self._outputs(every(*values))
+            return self._outputs(every(*values, alone=True))
         return self._delegate([self.reads[i] for i in traced], values, constants, every, True)
 
     def _outputs(self, tensors: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -255,11 +258,10 @@ class Segment:
         abstract = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
         tensors = jax.eval_shape(every, *abstract)
         types = self._outputs(tensors)
-        if any(np.dtype(t.dtype) != np.float32 for t in types):
-            return xla(*values)
-        plan = self._plan(names, values, constants, types)
+        plan = None if any(np.dtype(t.dtype) != np.float32 for t in types) else \
+            self._plan(names, values, constants, types)
         if plan is None:
-            return xla(*values)
+            return self._outputs(every(*values, alone=True))
         kinds = [name in self.weights for name in names]
         stack = None
         per_sample = {n for n, w in zip(names, kinds, strict=True) if not w}

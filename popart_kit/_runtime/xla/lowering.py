@@ -278,10 +278,11 @@ class LoweredGraph:
         outputs = [o for o in made if o in needed]
         reads = list(dict.fromkeys(i for n in run for i in n.inputs if i and i not in made))
         label = f"{run[0].label}..{run[-1].label}" if len(run) > 1 else run[0].label
+        fused = self._fuse_pairs(run, tuple(needed))
 
-        def xla(args: list[Any]) -> dict[str, Any]:  # every tensor of the run
+        def xla(args: list[Any], alone: bool) -> dict[str, Any]:  # the run's tensors by XLA
             values = dict(zip(reads, args, strict=True))
-            for node in run:
+            for node in fused if alone else run:
                 results = _compute(node, [values[i] if i else None for i in node.inputs])
                 values.update((o, r) for o, r in zip(node.outputs, results, strict=False) if o)
             return values
