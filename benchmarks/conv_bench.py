@@ -26,8 +26,10 @@ single calls):
   through the ``xla`` lowering and XLA's NCHW convolution (goal: no slower, >= 1.0x).
   onnxruntime has no gradient.
 
-Which lowering ops_conv.py chose is printed per row. Timings are noisy on a shared machine:
-compare ratios of one run, and quote ``uptime``'s load average with them.
+Every column runs with freed memory kept mapped (host_memory.py), as in a session, which sets
+it when made; a backward row run alone would otherwise depend on whether a session was made
+before it. Which lowering ops_conv.py chose is printed per row. Timings are noisy on a shared
+machine: compare ratios of one run, and quote ``uptime``'s load average with them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from onnx import helper, numpy_helper
 
 import popart_kit as pk
 from popart_kit._runtime.xla import conv_mlas, ops_conv
+from popart_kit._runtime.xla.host_memory import keep_freed_memory
 from popart_kit._runtime.xla.lowering import lower
 from popart_kit._runtime.xla.ops_conv import lowering_for
 
@@ -245,6 +248,7 @@ def main() -> None:
     global STAT, BLOCK
     STAT, BLOCK = args.stat, args.block
     dtypes, rows = args.dtype.split(","), args.rows.split(",")
+    keep_freed_memory()  # as a session does (see the module docs)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f}, {os.cpu_count()} cpus, jax {jax.__version__}, "
           f"onnxruntime {ort.__version__}, MLAS block {conv_mlas.block_size()}, {args.stat}s of "

@@ -45,6 +45,7 @@ from .grouped import (
     replica_rows,
 )
 from .hlo_text import OneCallback, one_callback
+from .host_memory import keep_freed_memory
 from .input_memory import AlignedInputs
 from .lowering import LoweredGraph, lower
 from .memory import check_fits
@@ -111,6 +112,8 @@ class XlaBackend:
             for name, art in self.anchors.items()})
         self.placement = Placement(config.replication.local_factor,
                                    processes=config.replication.instances)
+        if self.placement.platform == "cpu":  # runs reuse freed memory, not fresh pages
+            keep_freed_memory()
         self.shape = StepShape.of(config)  # bps x A x R x instances
         self.micro_batches = self.shape.micro_batches
         # a model with random operators takes each run's seeds as a stream input
