@@ -413,9 +413,11 @@ def _runner(init: dict[str, Any], main: _Link) -> Any:
     device = jax.devices()[0]
     import onnx
 
+    from .host_memory import keep_freed_memory
     from .lowering import lower
     from .stages import StagePrograms, StageRunner
 
+    keep_freed_memory()  # as the session's own process does
     spec = init["stages"][init["stage"]]
     whole = lower(onnx.load_from_string(init["model"]))
     spec = dataclasses.replace(spec, stage=spec.stage.built(whole))
