@@ -12,8 +12,10 @@ step 77-81 -> 54-60 ms; the ResNet 3x3 step and MLP steps, which faulted little,
 a float16 540x960 inference run 9.5-10.5 -> 9.3-9.4 ms.
 
 The cost is memory: the process keeps what it freed (its peak) rather than returning it, 847-895
-against 1051-1062 MiB of peak RSS in that measurement. ``POPART_KIT_KEEP_FREED_MEMORY=0``
-leaves glibc's defaults. Elsewhere than glibc on Linux nothing changes. Imports no JAX.
+against 1051-1062 MiB of peak RSS in that measurement; :func:`kept_free_bytes` says how much
+of it is free for the process's own next allocations (the step memory check counts it as
+available). ``POPART_KIT_KEEP_FREED_MEMORY=0`` leaves glibc's defaults. Elsewhere than glibc on
+Linux nothing changes. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ctypes
 import os
 import sys
 
-__all__ = ["KEPT_BYTES", "VARIABLE", "keep_freed_memory"]
+__all__ = ["KEPT_BYTES", "VARIABLE", "keep_freed_memory", "kept_free_bytes"]
 
 #: Environment variable: "0" (or "off", "false", "no") leaves glibc's defaults.
 VARIABLE = "POPART_KIT_KEEP_FREED_MEMORY"
@@ -49,3 +51,21 @@ def keep_freed_memory() -> bool:
             except (OSError, AttributeError):
                 _done = False
     return _done
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def kept_free_bytes() -> int:
+    """Bytes glibc's malloc holds free for this process (``mallinfo2``'s ``fordblks``: freed
+    blocks it keeps mapped, which the next allocations reuse); 0 where that is unknown (not
+    glibc 2.33 or later)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype = _Mallinfo2
+    return int(mallinfo2().fordblks)

@@ -18,6 +18,7 @@ import jax
 
 from ..._base.problems import Problem, raise_errors
 from ...errors import InvalidConfig
+from .host_memory import kept_free_bytes
 
 __all__ = ["available_bytes", "check_fits", "human"]
 
@@ -34,20 +35,26 @@ def human(n: float) -> str:
 
 
 def available_bytes(device: jax.Device) -> tuple[int, str]:
-    """Free memory of ``device`` and what it is: a GPU's own memory, else the host's RAM."""
+    """Free memory of ``device`` and what it is: a GPU's own memory, else the host's RAM (what
+    the system has available, and what this process's malloc keeps free for it:
+    :mod:`.host_memory`)."""
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
                     f"{device.platform} device {device.id}")
+    return _system_available() + kept_free_bytes(), "host RAM"
+
+
+def _system_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "host RAM"
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM"
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits(who: str, parts: Mapping[str, int], device: jax.Device, fix: str,
