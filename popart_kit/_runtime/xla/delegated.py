@@ -67,8 +67,8 @@ import numpy as np
 
 from . import conv_mlas
 
-__all__ = ["CHUNK_BYTES", "HEAVY", "KEEP", "OPS", "SPINNING", "Delegation", "Segment",
-           "SegmentCall", "available", "foldable"]
+__all__ = ["CHUNK_BYTES", "HEAVY", "KEEP", "LOOPED_CHUNK", "OPS", "SPINNING", "Delegation",
+           "Segment", "SegmentCall", "available", "foldable"]
 
 #: ONNX operators (default domain) whose forward PopART computes as ONNX defines it, which a
 #: segment may hold.
@@ -90,6 +90,11 @@ KEEP = 2
 #: onnxruntime's kernels. The runtime_bench convnet at bps 16 (6.6 MB a micro-batch): 12.3-14.6
 #: ms a run at the default chunk of 1, 9.4-9.9 at 4, 7.6-7.8 at 16 (onnxruntime 14.2-14.3).
 CHUNK_BYTES = 64 << 20
+#: ... but at most this many micro-batches where the step loops over chunks anyway (a step of
+#: one chunk may be one onnxruntime call from the host, :mod:`.direct`): more gained nothing.
+#: runtime_bench's MLP at bps 256 on 4 replicas: 34.2 ms a run at 16, 34.3 at 64 (the budget's
+#: choice), 35.5 at 8; the step's memory 2.9 MiB at 16 against 9.1 at 64.
+LOOPED_CHUNK = 16
 
 #: Environment variable: "0" stops the segments' onnxruntime threads spinning when a run ends.
 SPINNING = "POPART_KIT_ORT_SPINNING"

@@ -267,6 +267,8 @@ class XlaBackend:
             budget = (delegated.CHUNK_BYTES if self._delegates() else
                       chunk_bytes(self.placement.platform))
             requested = max(1, budget // max(per_micro_batch, 1))
+            if self._delegates() and requested < self._chunk_limit():  # looped either way
+                requested = min(requested, delegated.LOOPED_CHUNK)
         return chunk_size(self._chunk_limit(), requested, self.buffers.periods)
 
     def _delegates(self) -> bool:
