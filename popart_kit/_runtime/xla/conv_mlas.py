@@ -9,9 +9,9 @@ ONNX Conv where that layout does not apply; a float16 one between Casts to float
 (onnxruntime's own way on the CPU: it has no float16 convolution there). JAX's
 ``buffer_callback`` (jax.experimental) hands the session XLA's input buffers and the output
 buffer to write in place (an ``io_binding`` per call: no copies, and concurrent calls from
-pipeline threads each bind their own). Sessions are
-made once, under a lock, with one intra-op thread per CPU the process may use and spinning off
-(:func:`options`). See ops_conv.py for when it is chosen and what was measured.
+pipeline threads each bind their own). Sessions are made once, under a lock, with one intra-op
+thread per CPU the process may use and spinning off (:func:`options`). See ops_conv.py for when
+it is chosen and what was measured.
 
 :func:`conv` is forward only: a :func:`jax.custom_vjp` whose backward is the given XLA lowering's
 (the gradient numerics of that lowering, unchanged), and where the program is lowered for
