@@ -92,8 +92,9 @@ KEEP = 2
 CHUNK_BYTES = 64 << 20
 #: ... but at most this many micro-batches where the step loops over chunks anyway (a step of
 #: one chunk may be one onnxruntime call from the host, :mod:`.direct`): more gained nothing.
-#: runtime_bench's MLP at bps 256 on 4 replicas: 34.2 ms a run at 16, 34.3 at 64 (the budget's
-#: choice), 35.5 at 8; the step's memory 2.9 MiB at 16 against 9.1 at 64.
+#: runtime_bench's MLP at bps 256 on 4 replicas, three interleaved runs: 32.7-34.2 ms a run at
+#: 16, 31.8-34.3 at 64 (the budget's choice), 35.5 at 8; the step's memory 2.9 MiB at 16
+#: against 9.1 at 64.
 LOOPED_CHUNK = 16
 
 #: Environment variable: "0" stops the segments' onnxruntime threads spinning when a run ends.

@@ -264,10 +264,10 @@ class XlaBackend:
     def _chunk(self, inputs: Mapping[str, TensorSpec], requested: int | None) -> int:
         if requested is None:
             per_micro_batch = self._activation_bytes(inputs) * self.placement.per_device
-            budget = (delegated.CHUNK_BYTES if self._delegates() else
-                      chunk_bytes(self.placement.platform))
+            delegates = self._delegates()
+            budget = delegated.CHUNK_BYTES if delegates else chunk_bytes(self.placement.platform)
             requested = max(1, budget // max(per_micro_batch, 1))
-            if self._delegates() and requested < self._chunk_limit():  # looped either way
+            if delegates and requested < self._chunk_limit():  # looped either way
                 requested = min(requested, delegated.LOOPED_CHUNK)
         return chunk_size(self._chunk_limit(), requested, self.buffers.periods)
 
