@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from jax import lax
-from onnx import helper
+from onnx import TensorProto, helper
 
 from popart_kit._runtime.xla import conv_mlas, ops_conv
 from popart_kit._runtime.xla.lowering import lower
@@ -594,21 +594,27 @@ def test_half_convolutions_by_mlas_round_once_then_add_the_bias_in_half(small_ml
 
 
 def test_a_half_conv_relu_in_an_inference_session_is_one_mlas_call(small_mlas):
-    """In an inference session that delegates segments to onnxruntime (float32 only), a
-    float16 Conv and its Relu are computed by XLA's lowering as any other pair is: one MLAS
-    call with its Relu (no pass over the output after it), the values the pair's apart."""
+    """In an inference session that delegates segments to onnxruntime, a float16 segment
+    XLA computes (it holds a Sigmoid, which the lowering computes with roundings of its own)
+    computes its Conv and Relu as any other pair: one MLAS call with its Relu (no pass over
+    the output after it), the values the pair's apart."""
     import popart_kit as pk
 
     model = conv_relu_model(dtype=np.float16)
     model.graph.node[0].input.pop()  # no bias: the Relu joins MLAS's call
     model.graph.input.pop()
+    model.graph.node.append(helper.make_node("Sigmoid", ["y"], ["s"]))
+    model.graph.output.append(helper.make_tensor_value_info(
+        "s", TensorProto.FLOAT16, [X[0], W[0], *X[2:]]))
     feeds = feeds_for(model, np.float16)
     key = (X, W, False, (1, 1), ((1, 1), (1, 1)), (1, 1), 1, "Relu", "float16")
     conv_mlas._SESSIONS.pop(key, None)
     sess = pk.InferenceSession(model, pk.SessionConfig(
         mode="inference", batches_per_step=1, device={"target": "offline"}),
-        anchors={"y": "All"}, backend="xla")
-    got = sess.run(feeds)["y"]
+        anchors={"y": "All", "s": "All"}, backend="xla")
+    got = sess.run(feeds)
     assert sess.runtime.graph.delegation is not None and sess.runtime._direct is None
     assert key in conv_mlas._SESSIONS  # MLAS's Relu ran
-    np.testing.assert_array_equal(got, np.asarray(evaluate(apart(model), feeds)["y"]))
+    want = evaluate(apart(model), feeds, ("y", "s"))
+    for name in ("y", "s"):
+        np.testing.assert_array_equal(got[name], np.asarray(want[name]))

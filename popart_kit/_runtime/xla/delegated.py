@@ -1,7 +1,7 @@
 """Forward subgraphs of a CPU inference program run by onnxruntime, each in one call.
 
 An inference session on one CPU device hands each run of consecutive nodes whose forward
-arithmetic in PopART is ONNX's (:data:`OPS`, float32; the operator table's "as ONNX" rows) and
+arithmetic in PopART is ONNX's (:data:`OPS`; the operator table's "as ONNX" rows) and
 that holds a Conv, Gemm or MatMul (:data:`HEAVY`) to one onnxruntime session, called inside
 the XLA program by ``jax.experimental.buffer_callback`` on XLA's own buffers (``io_binding``:
 no copies). The session is onnxruntime's whole optimizer at work on the subgraph: MLAS's
@@ -18,13 +18,15 @@ their memory can hold nothing else while the session is in use (a run with other
 buffer address, builds another; :data:`KEEP` per segment). Where the weights passed are not
 the offered ones, the segment runs a session that reads them as inputs instead.
 
-What is never delegated: training (the backward needs XLA's forward), half precision and
-integer tensors (the segment runs the XLA lowering, decided when traced; a partials type,
-which only half precision reads, does not matter), a segment whose outputs are not all
-float32 (a MaxPool's indices read elsewhere), a segment onnxruntime refuses to build or whose
-output shapes, checked once on zeros, are not the lowering's (XLA then runs it). A batched
-weight (grouped weights) runs the XLA lowering. A segment is differentiable (its gradient is
-the XLA lowering's) though no session asks.
+A float16 segment runs in float32 with the XLA lowering's roundings (:mod:`.half_segment`)
+where every operator in it is of :data:`.half_segment.OPS` (a partials type does not matter:
+XLA:CPU sums half products in float32 whatever it says). What is never delegated: training
+(the backward needs XLA's forward), bfloat16 and integer tensors, a float16 segment holding
+another operator (these run the XLA lowering, decided when traced), a segment whose outputs
+are not all of its float type (a MaxPool's indices read elsewhere), a segment onnxruntime
+refuses to build or whose output shapes, checked once on zeros, are not the lowering's (XLA
+then runs it). A batched weight (grouped weights) runs the XLA lowering. A segment is
+differentiable (its gradient is the XLA lowering's) though no session asks.
 
 An input that nothing but segments reads (:func:`~.hlo_text.callback_only_parameters`, from
 the compiled program) is read by onnxruntime where the caller's array lies: the program takes
@@ -65,7 +67,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import conv_mlas
+from . import conv_mlas, half_segment
 
 __all__ = ["CHUNK_BYTES", "HEAVY", "KEEP", "LOOPED_CHUNK", "OPS", "SPINNING", "Delegation",
            "Segment", "SegmentCall", "available", "foldable"]
@@ -246,9 +248,20 @@ class Segment:
             return self._xla(full, alone)
 
         values = [args[i] for i in traced]
-        if any(np.dtype(v.dtype) != np.float32 for v in values):
+        if self._dtype(values) is None:
             return self._outputs(every(*values, alone=True))
         return self._delegate([self.reads[i] for i in traced], values, constants, every, True)
+
+    def _dtype(self, values: Sequence[Any]) -> np.dtype | None:
+        """The one float type of ``values`` if onnxruntime may compute the segment in it:
+        float32, or float16 where every node is of :data:`.half_segment.OPS`; else None."""
+        dtypes = {np.dtype(v.dtype) for v in values}
+        if dtypes == {np.dtype(np.float32)}:
+            return np.dtype(np.float32)
+        if dtypes == {np.dtype(np.float16)} and all(n.op_type in half_segment.OPS
+                                                    for n in self.nodes):
+            return np.dtype(np.float16)
+        return None
 
     def _outputs(self, tensors: Mapping[str, Any]) -> tuple[Any, ...]:
         return tuple(tensors[o] for o in self.outputs)
@@ -264,8 +277,9 @@ class Segment:
         abstract = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
         tensors = jax.eval_shape(every, *abstract)
         types = self._outputs(tensors)
-        plan = None if any(np.dtype(t.dtype) != np.float32 for t in types) else \
-            self._plan(names, values, constants, types)
+        dtype = self._dtype(values)
+        plan = None if dtype is None or any(np.dtype(t.dtype) != dtype for t in types) else \
+            self._plan(names, values, constants, types, dtype)
         if plan is None:
             return self._outputs(every(*values, alone=True))
         kinds = [name in self.weights for name in names]
@@ -298,10 +312,12 @@ class Segment:
         return tuple(o.reshape((size, *t.shape)) for o, t in zip(out, types, strict=True))
 
     def _plan(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
-              types: Sequence[Any]) -> _Plan | None:
-        """The plan for these operand shapes (made once; None where onnxruntime refuses)."""
+              types: Sequence[Any], dtype: np.dtype) -> _Plan | None:
+        """The plan for these operand shapes and float type (made once; None where
+        onnxruntime refuses)."""
         key = (tuple((n, tuple(v.shape)) for n, v in zip(names, values, strict=True)),
-               tuple((n, a.dtype.str, a.shape, a.tobytes()) for n, a in constants.items()))
+               tuple((n, a.dtype.str, a.shape, a.tobytes()) for n, a in constants.items()),
+               dtype.str)
         with self._lock:
             if key in self._plans:
                 return self._plans[key]
@@ -310,11 +326,12 @@ class Segment:
             out_shapes = {n: tuple(t.shape) for n, t in zip(self.outputs, types, strict=True)}
 
             def build(baked: dict[str, np.ndarray] | None) -> Any:
-                return _session(self, shapes, constants, out_shapes, baked)
+                return _session(self, shapes, constants, out_shapes, baked, dtype)
 
             try:
                 plan: _Plan | None = _Plan(build, weights, self._delegation)
-                _check_shapes(plan.unbaked, shapes, constants, out_shapes)  # type: ignore[union-attr]
+                _check_shapes(plan.unbaked, shapes, constants, out_shapes,  # type: ignore[union-attr]
+                              dtype)
             except Exception:  # noqa: BLE001 - onnxruntime refuses it, or computes other
                 plan = None    # shapes than the xla backend: XLA runs the nodes
             self._plans[key] = plan
@@ -323,10 +340,10 @@ class Segment:
 
 def _check_shapes(session: Any, shapes: Mapping[str, tuple[int, ...]],
                   constants: Mapping[str, np.ndarray],
-                  out_shapes: Mapping[str, tuple[int, ...]]) -> None:
+                  out_shapes: Mapping[str, tuple[int, ...]], dtype: np.dtype) -> None:
     """Run ``session`` once on zeros: ValueError unless its outputs have the shapes the xla
     backend's lowering gives (an attribute read otherwise would fail every run)."""
-    feeds = {n: np.zeros(s, np.float32) for n, s in shapes.items() if n not in constants}
+    feeds = {n: np.zeros(s, dtype) for n, s in shapes.items() if n not in constants}
     got = session.run(list(out_shapes), feeds)
     wrong = {n: (g.shape, s) for (n, s), g in zip(out_shapes.items(), got, strict=True)
              if tuple(g.shape) != tuple(s)}
@@ -336,21 +353,24 @@ def _check_shapes(session: Any, shapes: Mapping[str, tuple[int, ...]],
 
 def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
              constants: Mapping[str, np.ndarray], out_shapes: Mapping[str, tuple[int, ...]],
-             baked: Mapping[str, np.ndarray] | None) -> Any:
-    """An onnxruntime session of ``segment``: its traced operands as inputs (but the weights
-    in ``baked``, which it holds as constants with ``constants``)."""
+             baked: Mapping[str, np.ndarray] | None, dtype: np.dtype) -> Any:
+    """An onnxruntime session of ``segment`` in ``dtype`` (float32, or float16 computed as
+    :mod:`.half_segment` says): its traced operands as inputs (but the weights in ``baked``,
+    which it holds as constants with ``constants``)."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
-    held = {**constants, **(baked or {})}
-    initializers = [numpy_helper.from_array(
-        a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else a, name)
-        for name, a in held.items()]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s))
-              for n, s in shapes.items() if n not in held]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s))
-               for n, s in out_shapes.items()]
-    graph = helper.make_graph(segment.nodes, segment.name, inputs, outputs, initializers)
+    held = half_segment.float_initializers({**constants, **(baked or {})})
+    initializers = [numpy_helper.from_array(a, name) for name, a in held.items()]
+    elem = helper.np_dtype_to_tensor_dtype(dtype)
+    fed = [n for n in shapes if n not in held]
+    inputs = [helper.make_tensor_value_info(n, elem, list(shapes[n])) for n in fed]
+    outputs = [helper.make_tensor_value_info(n, elem, list(s)) for n, s in out_shapes.items()]
+    nodes = segment.nodes if dtype == np.float32 else half_segment.half_graph(
+        segment.nodes, fed, [n for n, a in held.items() if a.dtype == np.float32],
+        list(out_shapes), {**{n: len(s) for n, s in shapes.items()},
+                           **{n: a.ndim for n, a in held.items()}})
+    graph = helper.make_graph(nodes, segment.name, inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", segment.opset)])
     model.ir_version = min(model.ir_version, 10)
     options = conv_mlas.options(spinning=True)
@@ -428,11 +448,11 @@ def _call(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],
         for index in np.ndindex(*loops):
             for name, array, flag in fed:
                 view = array[index] if flag else array
-                binding.bind_input(name, "cpu", 0, np.float32, list(view.shape),
+                binding.bind_input(name, "cpu", 0, view.dtype, list(view.shape),
                                    view.ctypes.data)
             for name, target in zip(outputs, targets, strict=True):
                 view = target[index]
-                binding.bind_output(name, "cpu", 0, np.float32, list(view.shape),
+                binding.bind_output(name, "cpu", 0, view.dtype, list(view.shape),
                                     view.ctypes.data)
             session.run_with_iobinding(binding)
         if not loops:

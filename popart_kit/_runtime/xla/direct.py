@@ -28,6 +28,8 @@ from .hlo_text import OneCallback
 
 __all__ = ["DirectStep", "direct_step"]
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+
 
 class DirectStep:
     """Runs of one segment call (:class:`~.delegated.SegmentCall`, a single onnxruntime run)
@@ -93,7 +95,7 @@ def direct_step(shape: OneCallback, recorded: Sequence[tuple[SegmentCall, list, 
     session's ``anchor_shapes``; None unless the run made exactly one call, a single
     onnxruntime run, of the operands and results ``shape`` names: as many parameters, each
     operand of its parameter's size, each weight operand that weight's own buffer, each result
-    of its output's size, float32."""
+    of its output's size, float32 or float16 (the types segments compute in)."""
     if len(recorded) != 1 or shape.parameters != len(parameters):
         return None
     call, ins, out_shapes = recorded[0]
@@ -113,7 +115,7 @@ def direct_step(shape: OneCallback, recorded: Sequence[tuple[SegmentCall, list, 
     for r, out_shape in enumerate(out_shapes):
         name = by_result[r]
         spec = outputs[name]
-        if math.prod(spec.shape) != math.prod(out_shape) or np.dtype(spec.dtype) != np.float32:
+        if math.prod(spec.shape) != math.prod(out_shape) or np.dtype(spec.dtype) not in _FLOATS:
             return None
         results.append((name, tuple(anchor_shapes[name]), tuple(out_shape)))
     return DirectStep(call, operands, results)

@@ -460,7 +460,8 @@ def _compute(node: _Node, args: list[Any],
 def _delegable(node: _Node) -> bool:
     """Whether onnxruntime may run the node in a segment (:mod:`.delegated`): an ONNX operator
     of :data:`~.delegated.OPS` as the model has it, computed when traced (not BatchNormalization
-    in training mode). A partials type does not matter: segments run float32 only."""
+    in training mode). A partials type does not matter: XLA:CPU sums half products in
+    float32 whatever it says, as a float16 segment does (:mod:`.half_segment`)."""
     return (node.proto is not None and node.ctx.op_type in delegated.OPS
             and node.op is OPS.get(("", node.ctx.op_type)) and not node.static
             and SOFTMAX_AXIS not in node.ctx.attrs and not node.ctx.attr("training_mode", 0))
