@@ -255,6 +255,50 @@ def test_a_half_graph_rounds_before_arithmetic_and_keeps_a_conv_next_to_its_relu
     assert graph[-1].output == ["y"]
 
 
+def test_a_half_segment_whose_names_look_like_the_graphs_own_is_still_delegated():
+    """Tensors named as the rewritten graph names its own (a Conv "c" with its bias "c/bias",
+    a Gemm "g" whose weight is "g/b", an input "m/half"): those get numbered names."""
+    rng = np.random.default_rng(8)
+    held = {"k": rng.integers(-3, 4, (4, 3, 3, 3)).astype(np.float16),
+            "c/bias": rng.integers(-3, 4, (4,)).astype(np.float16),
+            "g/b": rng.integers(-3, 4, (5, 4 * 6 * 6)).astype(np.float16)}
+    nodes = [helper.make_node("Conv", ["m/half", "k", "c/bias"], ["c"]),
+             helper.make_node("Flatten", ["c"], ["f"], axis=1),
+             helper.make_node("Gemm", ["f", "g/b"], ["g"], transB=1, alpha=0.5)]
+    graph = helper.make_graph(
+        nodes, "names", [helper.make_tensor_value_info("m/half", TensorProto.FLOAT16,
+                                                       [2, 3, 8, 8])],
+        [helper.make_tensor_value_info("g", TensorProto.FLOAT16, [2, 5])],
+        [numpy_helper.from_array(a, n) for n, a in held.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.integers(-3, 4, (2, 3, 8, 8)).astype(np.float16)
+    sess = _session(model, anchors={"g": "All"})
+    got = sess.run({"m/half": x})["g"]
+    [segment] = _segments(sess)
+    assert [p is not None for p in segment._plans.values()] == [True]
+    lowered = lower(model)
+    np.testing.assert_array_equal(
+        got, np.asarray(lowered.evaluate({}, {"m/half": x}, ["g"])["g"]))
+
+
+def test_a_half_division_runs_the_xla_lowering():
+    """XLA divides by a broadcast divisor as a product with its reciprocal rounded to half:
+    a float16 segment holding a Div is not onnxruntime's (whose quotient is rounded once)."""
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((8, 8)) / 4).astype(np.float16)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]),
+         helper.make_node("Div", ["m", "d"], ["y"])], "div",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4, 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.float16([3.0]), "d")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    sess = _session(model)
+    sess.run({"x": rng.standard_normal((4, 8)).astype(np.float16)})
+    [segment] = _segments(sess)
+    assert not any(segment._plans.values())
+
+
 def test_a_half_segment_holding_an_operator_that_rounds_between_steps_runs_the_xla_lowering():
     model = _convnet(np.float16)  # GlobalAveragePool, Gemm, Softmax
     sess = _session(model)
