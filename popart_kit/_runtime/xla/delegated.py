@@ -248,9 +248,11 @@ class Segment:
             return self._xla(full, alone)
 
         values = [args[i] for i in traced]
-        if self._dtype(values) is None:
+        dtype = self._dtype(values)
+        if dtype is None:
             return self._outputs(every(*values, alone=True))
-        return self._delegate([self.reads[i] for i in traced], values, constants, every, True)
+        return self._delegate([self.reads[i] for i in traced], values, constants, every, True,
+                              dtype)
 
     def _dtype(self, values: Sequence[Any]) -> np.dtype | None:
         """The one float type of ``values`` if onnxruntime may compute the segment in it:
@@ -267,18 +269,19 @@ class Segment:
         return tuple(tensors[o] for o in self.outputs)
 
     def _delegate(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
-                  every: Callable[..., dict[str, Any]], fold: bool) -> tuple[Any, ...]:
-        """The outputs from the traced operands ``values`` (named ``names``) by a plan for
-        their shapes, else by XLA; ``fold``: micro-batches batched by vmap may be stacked into
-        one run where :func:`foldable` says so."""
+                  every: Callable[..., dict[str, Any]], fold: bool,
+                  dtype: np.dtype) -> tuple[Any, ...]:
+        """The outputs from the traced operands ``values`` (named ``names``, all of
+        :meth:`_dtype` ``dtype``) by a plan for their shapes, else by XLA; ``fold``:
+        micro-batches batched by vmap may be stacked into one run where :func:`foldable` says
+        so."""
         def xla(*values: Any) -> tuple[Any, ...]:
             return self._outputs(every(*values))
 
         abstract = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
         tensors = jax.eval_shape(every, *abstract)
         types = self._outputs(tensors)
-        dtype = self._dtype(values)
-        plan = None if dtype is None or any(np.dtype(t.dtype) != dtype for t in types) else \
+        plan = None if any(np.dtype(t.dtype) != dtype for t in types) else \
             self._plan(names, values, constants, types, dtype)
         if plan is None:
             return self._outputs(every(*values, alone=True))
@@ -289,12 +292,13 @@ class Segment:
                 self.nodes, per_sample, {n: t.shape for n, t in tensors.items()}, constants,
                 self.opset):
             def stack(size: int, values: Sequence[Any]) -> tuple[Any, ...] | None:
-                return self._stacked(size, names, values, kinds, constants, every, types)
+                return self._stacked(size, names, values, kinds, constants, every, types,
+                                     dtype)
         return _delegated(plan, names, self.outputs, kinds, types, xla, values, stack)
 
     def _stacked(self, size: int, names: list[str], values: Sequence[Any], kinds: list[bool],
                  constants: dict[str, np.ndarray], every: Callable[..., dict[str, Any]],
-                 types: Sequence[Any]) -> tuple[Any, ...] | None:
+                 types: Sequence[Any], dtype: np.dtype) -> tuple[Any, ...] | None:
         """The outputs of ``size`` micro-batches (the per-sample operands' leading axis) as
         one run of the segment with them stacked along axis 0, where the XLA lowering agrees
         that the stacked shapes give stacked outputs (else None: run them one by one)."""
@@ -308,7 +312,7 @@ class Segment:
         if any(not t.shape or tuple(g.shape) != (size * t.shape[0], *t.shape[1:])
                for g, t in zip(got, types, strict=True)):
             return None
-        out = self._delegate(names, stacked, constants, every, True)  # the next vmap too
+        out = self._delegate(names, stacked, constants, every, True, dtype)  # next vmap too
         return tuple(o.reshape((size, *t.shape)) for o, t in zip(out, types, strict=True))
 
     def _plan(self, names: list[str], values: list[Any], constants: dict[str, np.ndarray],
@@ -360,7 +364,7 @@ def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
-    held = half_segment.float_initializers({**constants, **(baked or {})})
+    held = _initializers({**constants, **(baked or {})})
     initializers = [numpy_helper.from_array(a, name) for name, a in held.items()]
     elem = helper.np_dtype_to_tensor_dtype(dtype)
     fed = [n for n in shapes if n not in held]
@@ -378,6 +382,14 @@ def _session(segment: Segment, shapes: Mapping[str, tuple[int, ...]],
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model.SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
+
+
+def _initializers(held: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A segment's constants and baked weights as its graph holds them: integer arrays as
+    int64, float16 ones converted to float32 (exactly: a float16 segment computes in float32,
+    :mod:`.half_segment`), the rest as they are."""
+    return {name: a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else
+            a.astype(np.float32) if a.dtype == np.float16 else a for name, a in held.items()}
 
 
 def _delegated(plan: _Plan, names: list[str], outputs: list[str], kinds: list[bool],

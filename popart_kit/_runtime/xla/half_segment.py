@@ -186,10 +186,3 @@ class _HalfGraph:
                                              to=TensorProto.FLOAT16))
         return self.out
 
-
-def float_initializers(held: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``held`` (a half segment's constants and baked weights) as its graph holds them:
-    float16 arrays converted to float32 (exactly), integer ones as int64."""
-    return {name: a.astype(np.float32) if a.dtype == np.float16 else
-            a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else a
-            for name, a in held.items()}

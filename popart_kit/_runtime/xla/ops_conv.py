@@ -73,8 +73,8 @@ lowering before) with benchmarks/conv_bench.py, interleaved, on a shared 2-core 
 In an inference session on one CPU device, a float32 convolution is mostly not lowered here
 at all: it runs inside an onnxruntime session with its neighbours (:mod:`.delegated`), which
 holds the weights as constants and so reorders the filter once. What this module chooses
-runs in training, in half precision (segments are float32) and wherever a segment is not
-delegated.
+runs in training, in bfloat16, in float16 segments holding an operator onnxruntime does not
+compute as the lowering does (:mod:`.half_segment`), and wherever a segment is not delegated.
 
 Rejected after measuring: im2col + GEMM (patches, then a matmul: 1.5-3x slower than XLA's
 convolution but for 1x1, where it is even); space-to-depth for the strided 4x4 kernel (no
